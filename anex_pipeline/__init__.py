@@ -1,0 +1,1 @@
+"""anex-pipeline: offline batch LLM jobs on vLLM, orchestrated as Dagster assets."""

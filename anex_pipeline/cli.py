@@ -1,0 +1,246 @@
+"""The ``anex-pipeline`` command: run, validate, backfill and report.
+
+Exit codes: 0 when the job completed (failed rows included), 1 when it failed or stopped early,
+2 when it was rejected at submit (nothing ran, no result file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_STOPPED, EXIT_REJECTED = 0, 1, 2
+
+# Flags that map one-to-one onto job options: (flag, option name, type).
+OPTION_FLAGS: list[tuple[str, str, Any]] = [
+    ("--model", "model", str),
+    ("--endpoint", "endpoint", str),
+    ("--reasoning-budget", "reasoning_budget", int),
+    ("--max-tokens", "max_tokens", int),
+    ("--reasoning-parser", "reasoning_parser", str),
+    ("--tool-parser", "tool_parser", str),
+    ("--shards", "shards", int),
+    ("--temperature", "temperature", float),
+    ("--top-p", "top_p", float),
+    ("--top-k", "top_k", int),
+    ("--seed", "seed", int),
+    ("--prompt-column", "prompt_column", str),
+    ("--system-prompt", "system_prompt", str),
+    ("--estimate-sample-size", "estimate_sample_size", int),
+]
+BOOL_FLAGS = [
+    ("--reasoning", "reasoning"),
+    ("--parse-thinking", "parse_thinking"),
+    ("--parse-tool-calls", "parse_tool_calls"),
+]
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the options file."""
+
+
+def _add_option_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job options (override the options file)")
+    g.add_argument("--options", metavar="FILE", help="JSON file of job options; default: <input>.job.json if present")
+    for flag, name, kind in OPTION_FLAGS:
+        g.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper())
+    for flag, name in BOOL_FLAGS:
+        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--response-format", metavar="JSON", help='e.g. \'{"type":"json_object"}\' or @schema.json')
+    g.add_argument(
+        "--media-allowed-host", action="append", default=None, metavar="HOST", help="allow media from HOST (repeatable)"
+    )
+    g.add_argument(
+        "--set", action="append", default=[], metavar="KEY=JSON", help="any other option, e.g. --set prices='{...}'"
+    )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--memory-share", type=float, default=None, help="gpu_memory_utilization (CPU: share of RAM)")
+    g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anex-pipeline", description="Offline batch LLM jobs on vLLM and Dagster.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a job end to end and print its report")
+    run.add_argument("input", help="JSONL (OpenAI batch format) or Parquet file")
+    run.add_argument("-o", "--output", required=True, help="result file, same format as the input")
+    run.add_argument("--report", default=None, help="report path; default <output>.report.json")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_option_flags(run)
+    _engine_flags(run)
+
+    val = sub.add_parser("validate", help="check an input file and its options without running it")
+    val.add_argument("input")
+    _add_option_flags(val)
+
+    rep = sub.add_parser("report", help="print the report of a finished job")
+    rep.add_argument("path", help="the result file or its .report.json")
+    return parser
+
+
+def collect_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options file (explicit, or the input's sidecar) overlaid with the flags that were given."""
+    raw: dict[str, Any] = {}
+    path = args.options
+    sidecar = Path(f"{args.input}.job.json")
+    if path is None and sidecar.exists():
+        path = str(sidecar)
+    if path:
+        try:
+            loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise UsageError(f"cannot read options file {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(
+                f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"options file {path} must hold a JSON object of option names and values")
+        raw.update(loaded)
+    for _, name, _ in OPTION_FLAGS:
+        if getattr(args, name) is not None:
+            raw[name] = getattr(args, name)
+    for _, name in BOOL_FLAGS:
+        if getattr(args, name) is not None:
+            raw[name] = getattr(args, name)
+    if args.response_format:
+        raw["response_format"] = _json_arg("--response-format", args.response_format)
+    if args.media_allowed_host:
+        raw["media"] = {**raw.get("media", {}), "allowed_hosts": args.media_allowed_host}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--set takes KEY=JSON, got {item!r}")
+        raw[key] = _json_arg(f"--set {key}", value)
+    return raw
+
+
+def _json_arg(flag: str, text: str) -> Any:
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"{flag}: cannot read {text[1:]}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if flag.startswith("--set"):
+            return text  # a bare string value
+        raise UsageError(f"{flag} must be JSON (or @file.json): {text!r}") from None
+
+
+def _instance() -> Any:
+    import dagster as dg
+
+    from anex_pipeline.models import cache_root
+
+    home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.get()
+
+
+def _progress_logging(quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[anex] %(message)s"))
+    progress = logging.getLogger("anex_pipeline.progress")
+    progress.addHandler(handler)
+    progress.setLevel(logging.WARNING if quiet else logging.INFO)
+    progress.propagate = False
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from anex_pipeline.defs.resources import EngineResource, StorageResource, default_work_root
+    from anex_pipeline.runner import JobRunner, StepFailed
+
+    _progress_logging(args.quiet)
+    raw = collect_options(args)
+    storage = StorageResource(work_root=args.work_dir or default_work_root())
+    engine = EngineResource(dtype=args.dtype, max_model_len=args.max_model_len, memory_share=args.memory_share)
+    runner = JobRunner(_instance(), storage, engine)
+    try:
+        log = logging.getLogger("anex_pipeline.progress")
+        log.info("checking %s", args.input)
+        job = runner.submit(args.input, args.output, raw, args.report)
+        manifest = job.manifest()
+        log.info(
+            "job %s: %d rows in %d shard(s), model %s",
+            job.job_id,
+            manifest.total_rows,
+            len(manifest.shards),
+            manifest.model_name,
+        )
+        report = runner.run(job)
+    except StepFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    finally:
+        runner.close()
+    print(report.model_dump_json(indent=2))
+    if report.status == "completed":
+        print(f"result: {report.output}", file=sys.stderr)
+        return EXIT_OK
+    print(f"job {report.status}: {report.failure_reason}", file=sys.stderr)
+    return EXIT_STOPPED
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from anex_pipeline.jobs import check_input
+    from anex_pipeline.spec import JobRejected, Problem
+    from anex_pipeline.validate import parse_options
+
+    options = parse_options(collect_options(args))
+    kind, endpoint, rows = check_input(Path(args.input), options)
+    count, problems = 0, []
+    for item in rows:
+        if isinstance(item, Problem):
+            problems.append(item)
+        else:
+            count += 1
+    if problems:
+        raise JobRejected(problems[:1000], total=len(problems))
+    if count == 0:
+        raise JobRejected([Problem(f"input file {args.input} has no rows")])
+    print(f"ok: {count} rows, {kind}, {endpoint} endpoint")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from anex_pipeline.jobs import default_report_path
+
+    path = args.path if args.path.endswith(".report.json") else default_report_path(args.path)
+    try:
+        print(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read report {path}: {exc.strerror}") from None
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    from anex_pipeline.spec import JobRejected
+
+    args = build_parser().parse_args(argv)
+    handlers = {"run": cmd_run, "validate": cmd_validate, "report": cmd_report}
+    try:
+        return handlers[args.command](args)
+    except JobRejected as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_REJECTED
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_REJECTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""OpenAI response objects built from what an engine generated.
+
+The shapes follow what an OpenAI-compatible server returns, so that the ``openai`` SDK's own
+types (``ChatCompletion``, ``Completion``, ``CreateEmbeddingResponse``) accept them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Generated:
+    """The engine-independent facts of one finished generation."""
+
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def usage(g: Generated) -> dict[str, Any]:
+    return {
+        "prompt_tokens": g.prompt_tokens,
+        "completion_tokens": g.completion_tokens,
+        "total_tokens": g.prompt_tokens + g.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": g.reasoning_tokens},
+    }
+
+
+def chat_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": g.text}
+    if g.reasoning is not None:
+        message["reasoning_content"] = g.reasoning
+    finish = g.finish_reason
+    if g.tool_calls:
+        message["tool_calls"] = g.tool_calls
+        if finish == "stop":
+            finish = "tool_calls"
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(g),
+        "system_fingerprint": None,
+    }
+
+
+def text_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}],
+        "usage": usage(g),
+        "system_fingerprint": None,
+    }
+
+
+def embedding_response(model: str, vector: list[float], prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+
+
+def body_for(endpoint: str, request_id: str, model: str, g: Generated) -> dict[str, Any]:
+    if endpoint == "completions":
+        return text_completion(request_id, model, g)
+    return chat_completion(request_id, model, g)

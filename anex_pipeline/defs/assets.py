@@ -1,0 +1,220 @@
+"""One asset per stage. Each is a thin wrapper: it finds the job's work folder, calls the core
+function, and describes what happened as metadata. Rows never travel through an IO manager.
+"""
+
+# No "from __future__ import annotations" here: Dagster reads the config and resource
+# annotations at run time.
+
+import logging
+import time
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from anex_pipeline import media
+from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
+from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.estimate import estimate_lengths
+from anex_pipeline.generate import run_shard
+from anex_pipeline.jobs import JobDir, prepare_job
+from anex_pipeline.ledger import account_rows
+from anex_pipeline.merge import merge_job, record_timing, result_path
+from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.storage import localize_input, publish
+from anex_pipeline.validate import parse_options
+
+GROUP = "batch_job"
+progress_log = logging.getLogger("anex_pipeline.progress")
+
+
+class JobOptionsConfig(dg.PermissiveConfig):
+    """Job options by name (SPEC section 2), e.g. max_tokens: 256; checked when the job is submitted."""
+
+
+class JobSubmission(dg.Config):
+    """What to run. Leave everything empty to rerun a job that was submitted before."""
+
+    input: str = Field(default="", description="Input file: a local path or s3://bucket/key (JSONL or Parquet).")
+    output: str = Field(default="", description="Result file: a local path or s3:// URI, same format as the input.")
+    report: str = Field(default="", description="Report path; default: beside the result as <name>.report.json.")
+    options: JobOptionsConfig = Field(default_factory=JobOptionsConfig, description="Job options (SPEC section 2).")
+
+
+def _job(context: dg.AssetExecutionContext, storage: StorageResource) -> JobDir:
+    keys = context.partition_key.keys_by_dimension if isinstance(context.partition_key, dg.MultiPartitionKey) else None
+    job = storage.job(keys["job"] if keys else context.partition_key)
+    if not job.exists():
+        raise dg.Failure(f"job {job.job_id} has not been submitted: materialize validated_input for it first")
+    return job
+
+
+def _shard(context: dg.AssetExecutionContext) -> int:
+    assert isinstance(context.partition_key, dg.MultiPartitionKey)
+    return int(context.partition_key.keys_by_dimension["shard"])
+
+
+@dg.asset(
+    partitions_def=job_partitions,
+    group_name=GROUP,
+    kinds={"python"},
+    description="Checks every row of the input file and splits the valid rows into shards.",
+)
+def validated_input(
+    context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource
+) -> dg.MaterializeResult:
+    job = storage.job(context.partition_key)
+    started = time.monotonic()
+    if config.input:
+        if not config.output:
+            raise dg.Failure("set 'output' in the run config: where the result file goes")
+        s3 = storage.s3_client() if config.input.startswith("s3://") else None
+        try:
+            local = localize_input(config.input, job.root / "input", s3)
+            options = parse_options(config.options.model_dump())
+            job = prepare_job(
+                local, config.output, options, job.root.parent, report=config.report or None, job_id=job.job_id
+            )
+        except JobRejected as exc:
+            raise dg.Failure(description=exc.render(), metadata={"problems": exc.total}) from None
+    elif not job.exists():
+        raise dg.Failure(f"job {job.job_id} is new: set 'input' and 'output' in the run config")
+    record_timing(job, "validate", time.monotonic() - started)
+    m = job.manifest()
+    return dg.MaterializeResult(
+        metadata={
+            "rows": m.total_rows,
+            "shards": len(m.shards),
+            "format": m.format,
+            "endpoint": m.endpoint,
+            "model": m.model_name,
+            "input": m.input,
+            "output": m.output,
+        }
+    )
+
+
+@dg.asset(
+    partitions_def=job_shard_partitions,
+    deps=[validated_input],
+    group_name=GROUP,
+    kinds={"python"},
+    description="Downloads the media that the shard's rows reference by URL into the media cache.",
+)
+def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    job = _job(context, storage)
+    shard = _shard(context)
+    manifest = job.manifest()
+    if shard >= len(manifest.shards):
+        return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
+    stats = media.fetch_shard(job, shard, manifest.job_options().media)
+    return dg.MaterializeResult(metadata=stats)
+
+
+@dg.asset(
+    partitions_def=job_partitions,
+    deps=[validated_input],
+    group_name=GROUP,
+    kinds={"python"},
+    description="Sets max_tokens from a generated sample when the job does not set it (SPEC section 8).",
+)
+def length_estimate(
+    context: dg.AssetExecutionContext, storage: StorageResource, engine: EngineResource
+) -> dg.MaterializeResult:
+    job = _job(context, storage)
+    started = time.monotonic()
+    report, stats = estimate_lengths(job, lambda: engine.engine_for(job.manifest()))
+    record_timing(job, "estimate", time.monotonic() - started)
+    return dg.MaterializeResult(metadata={**report.model_dump(), **stats})
+
+
+@dg.asset(
+    partitions_def=job_shard_partitions,
+    deps=[fetched_media, length_estimate],
+    group_name=GROUP,
+    kinds={"vllm"},
+    pool="gpu",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    description="Generates every row of the shard, resuming from its checkpoint.",
+)
+def generations(
+    context: dg.AssetExecutionContext, storage: StorageResource, engine: EngineResource
+) -> dg.MaterializeResult:
+    job = _job(context, storage)
+    shard = _shard(context)
+    manifest = job.manifest()
+    if shard >= len(manifest.shards):
+        return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
+
+    def progress(done: int, total: int) -> None:
+        progress_log.info("shard %s: %d/%d rows", shard, done, total)
+        context.log.info(f"{done}/{total} rows done")
+
+    summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
+    record_timing(job, "generate", summary.seconds)
+    return dg.MaterializeResult(metadata=summary.as_metadata())
+
+
+@dg.asset(
+    partitions_def=job_partitions,
+    deps=[dg.AssetDep(generations, partition_mapping=all_shards_of_job)],
+    group_name=GROUP,
+    kinds={"python"},
+    description="Joins the shard checkpoints in input order and writes the job report.",
+    check_specs=[
+        dg.AssetCheckSpec(
+            "rows_accounted_once",
+            asset="merged_result",
+            description="Every input row is in the result once, in input order (fewer only if the job stopped early).",
+        )
+    ],
+)
+def merged_result(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    job = _job(context, storage)
+    report = merge_job(job)
+    account = account_rows(job, result_path(job))
+    check = dg.AssetCheckResult(
+        check_name="rows_accounted_once",
+        passed=account.ok
+        and account.missing
+        == report.request_counts.total - report.request_counts.completed - report.request_counts.failed,
+        metadata=account.as_metadata(),
+        description=account.summary(),
+    )
+    return dg.MaterializeResult(metadata=report_metadata(report, result_path(job)), check_results=[check])
+
+
+@dg.asset(
+    partitions_def=job_partitions,
+    deps=[merged_result],
+    group_name=GROUP,
+    kinds={"python"},
+    description="Publishes the result file and its report to the job's output location.",
+)
+def result_file(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    job = _job(context, storage)
+    manifest = job.manifest()
+    s3 = storage.s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
+    report = JobReport.model_validate_json((job.root / "report.json").read_text())
+    where = publish(result_path(job), manifest.output, s3)
+    publish(job.root / "report.json", manifest.report, s3)
+    return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": manifest.report})
+
+
+def report_metadata(report: JobReport, where: object) -> dict[str, Any]:
+    counts = report.request_counts
+    return {
+        "status": report.status,
+        "failure_reason": report.failure_reason or "",
+        "rows": counts.total,
+        "completed": counts.completed,
+        "failed": counts.failed,
+        "format_error_rows": counts.format_error_rows,
+        "prompt_tokens": report.usage.prompt_tokens,
+        "completion_tokens": report.usage.completion_tokens,
+        "result": dg.MetadataValue.path(str(where)),
+        "report": dg.MetadataValue.json(report.model_dump()),
+    }
+
+
+all_assets = [validated_input, fetched_media, length_estimate, generations, merged_result, result_file]

@@ -1,0 +1,21 @@
+"""A job is a dynamic partition (one per input file); a shard is a slice of its rows."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from anex_pipeline.jobs import shard_key
+from anex_pipeline.spec import MAX_SHARDS
+
+JOBS = "jobs"
+
+job_partitions = dg.DynamicPartitionsDefinition(name=JOBS)
+shard_partitions = dg.StaticPartitionsDefinition([shard_key(n) for n in range(MAX_SHARDS)])
+job_shard_partitions = dg.MultiPartitionsDefinition({"job": job_partitions, "shard": shard_partitions})
+
+# A job-level asset reads every shard partition of its own job.
+all_shards_of_job = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="job")
+
+
+def job_shard_key(job_id: str, shard: int) -> dg.MultiPartitionKey:
+    return dg.MultiPartitionKey({"job": job_id, "shard": shard_key(shard)})

@@ -1,0 +1,41 @@
+"""Model runtimes behind one interface, loaded once per process and shared by every shard."""
+
+from __future__ import annotations
+
+import threading
+
+from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
+from anex_pipeline.engine.vllm_local import EngineSettings
+
+__all__ = ["Engine", "EngineRequest", "EngineSettings", "load_engine", "release_engines", "resolve_request"]
+
+_lock = threading.Lock()
+_loaded: dict[EngineSettings, Engine] = {}
+
+
+def load_engine(settings: EngineSettings) -> Engine:
+    """The engine for these settings, loading it on first use; other loaded models are shut down
+    first so two models never hold memory at once."""
+    with _lock:
+        if settings in _loaded:
+            return _loaded[settings]
+        for other in list(_loaded):
+            _shutdown(_loaded.pop(other))
+        from anex_pipeline.engine.vllm_local import VllmLocalEngine
+
+        engine = VllmLocalEngine(settings)
+        _loaded[settings] = engine
+        return engine
+
+
+def release_engines() -> None:
+    """Shuts down every engine this process loaded."""
+    with _lock:
+        while _loaded:
+            _shutdown(_loaded.popitem()[1])
+
+
+def _shutdown(engine: Engine) -> None:
+    stop = getattr(engine, "shutdown", None)
+    if stop is not None:
+        stop()

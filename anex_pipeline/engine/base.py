@@ -1,0 +1,140 @@
+"""The engine interface, and how a stored row becomes a request for it.
+
+An engine takes a list of :class:`EngineRequest` and returns one
+:class:`~anex_pipeline.spec.RowOutcome` per request, whose body is already the OpenAI response
+object. Everything after generation is therefore the same for every engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from anex_pipeline.formats import InputRow
+from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
+from anex_pipeline.structured import mark_completion
+
+# Body keys that are not sampling parameters: they shape the prompt or the envelope.
+NON_SAMPLING_KEYS = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "input",
+        "response_format",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "n",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "reasoning_effort",
+        "encoding_format",
+        "dimensions",
+        "logprobs",
+        "top_logprobs",
+    }
+)
+
+
+@dataclass
+class EngineRequest:
+    """One row, resolved against the job's options and estimate, ready for an engine."""
+
+    index: int
+    key: str
+    request_id: str
+    endpoint: Endpoint
+    body: dict[str, Any]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_budget: int | None = None  # None: no cap
+
+    @property
+    def constrained(self) -> bool:
+        return self.response_format is not None
+
+
+class Engine(Protocol):
+    """What the pipeline needs from a model runtime."""
+
+    model_name: str
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        """Generates (or embeds) every request; per-row problems come back as failed outcomes."""
+        ...
+
+
+def resolve_request(
+    row: InputRow,
+    job_id: str,
+    endpoint: Endpoint,
+    options: JobOptions,
+    max_tokens: int | None,
+    reasoning_budget: int | None,
+) -> EngineRequest:
+    """Applies the precedence rules: the row's own values win over the job's defaults.
+
+    ``max_tokens`` and ``reasoning_budget`` are the job-level figures in force (the user's or
+    the estimate's); a budget of 0 means no cap.
+    """
+    body = row.body
+    sampling = options.sampling_defaults()
+    sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_KEYS})
+    row_cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    response_format = body.get("response_format", options.response_format)
+    if response_format is not None and response_format.get("type") == "text":
+        response_format = None
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if options.reasoning is not None:
+        kwargs.setdefault("enable_thinking", options.reasoning)
+    digest = hashlib.sha256(f"{job_id}\0{row.key}".encode()).hexdigest()[:24]
+    return EngineRequest(
+        index=row.index,
+        key=row.key,
+        request_id=digest,
+        endpoint=endpoint,
+        body=body,
+        sampling=sampling,
+        max_tokens=row_cap if row_cap is not None else max_tokens,
+        response_format=response_format if endpoint != "embeddings" else None,
+        chat_template_kwargs=kwargs,
+        reasoning_budget=reasoning_budget or None,
+    )
+
+
+def run_checked(engine: Engine, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+    """Runs the requests and applies the after-generation checks (cap reached, format) to each."""
+    outcomes = engine.run(requests)
+    return [mark_completion(o, r.response_format, r.endpoint) for o, r in zip(outcomes, requests, strict=True)]
+
+
+def rejected(request: EngineRequest, message: str, param: str | None = None, code: str | None = None) -> RowOutcome:
+    """A row the model or the request layer refused: status 400, invalid_request_error."""
+    return RowOutcome(
+        index=request.index,
+        key=request.key,
+        status_code=400,
+        error=RowError(message=message, type="invalid_request_error", code=code, param=param),
+    )
+
+
+def engine_failure(request: EngineRequest, message: str) -> RowOutcome:
+    """A row lost to an engine fault rather than to anything in the row itself."""
+    return RowOutcome(
+        index=request.index,
+        key=request.key,
+        status_code=500,
+        error=RowError(message=message, type="engine_error"),
+    )

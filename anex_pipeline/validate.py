@@ -1,0 +1,158 @@
+"""Submit-time checks that do not depend on the input's file format.
+
+Each check returns a list of ``(field, message)`` pairs; the format readers add the line number
+and turn them into :class:`~anex_pipeline.spec.Problem` objects.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from anex_pipeline.spec import Endpoint, JobOptions, JobRejected, Problem
+
+FieldProblem = tuple[str, str]
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
+    """Structural check of a response_format: the type, and the nested json_schema.schema object."""
+    if not isinstance(rf, dict):
+        return [(where, f'must be an object like {{"type": "json_object"}}, got {_kind(rf)}')]
+    kind = rf.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
+        return [(f"{where}.type", f"must be one of {allowed}; got {json.dumps(kind)}")]
+    spec = rf.get("json_schema")
+    if kind != "json_schema":
+        if spec is not None:
+            return [(f"{where}.json_schema", f"is only allowed with type 'json_schema', not '{kind}'")]
+        return []
+    if not isinstance(spec, dict):
+        return [
+            (
+                f"{where}.json_schema",
+                'is required for type \'json_schema\' and must be an object {"name": ..., "schema": {...}}',
+            )
+        ]
+    if not isinstance(spec.get("schema"), dict):
+        return [
+            (
+                f"{where}.json_schema.schema",
+                "must be a JSON Schema object; the schema sits one level down, at "
+                f"json_schema.schema (got {_kind(spec.get('schema'))})",
+            )
+        ]
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        return [(f"{where}.json_schema.name", "must be a string")]
+    return []
+
+
+def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> list[FieldProblem]:
+    """Checks a request body for what the pipeline needs before anything runs."""
+    if not isinstance(body, dict):
+        return [("body", f"must be an object with the request, got {_kind(body)}")]
+    problems: list[FieldProblem] = []
+    model = body.get("model")
+    if model is not None and model not in model_names:
+        wanted = sorted(model_names)[0]
+        problems.append(
+            (
+                "body.model",
+                f"is '{model}' but this job runs '{wanted}' (one model per job); "
+                "remove body.model or submit the job with --model set to it",
+            )
+        )
+    if endpoint == "chat":
+        problems += _check_messages(body.get("messages"))
+    elif endpoint == "completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            problems.append(("body.prompt", f"a completions row needs a string prompt, got {_kind(prompt)}"))
+    else:
+        problems += _check_embedding_input(body.get("input"))
+    if "response_format" in body and endpoint != "embeddings":
+        problems += check_response_format(body["response_format"], "body.response_format")
+    if body.get("stream"):
+        problems.append(("body.stream", "streaming is not available in a batch job; remove it"))
+    n = body.get("n", 1)
+    if n != 1:
+        problems.append(("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        problems.append(("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}"))
+    return problems
+
+
+def _check_messages(messages: Any) -> list[FieldProblem]:
+    if not isinstance(messages, list) or not messages:
+        return [("body.messages", f"a chat row needs a non-empty list of messages, got {_kind(messages)}")]
+    for n, msg in enumerate(messages):
+        where = f"body.messages[{n}]"
+        if not isinstance(msg, dict):
+            return [(where, f"must be an object with role and content, got {_kind(msg)}")]
+        if msg.get("role") not in ROLES:
+            return [(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(msg.get('role'))}")]
+        content = msg.get("content")
+        if content is None and msg.get("role") == "assistant" and msg.get("tool_calls"):
+            continue
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+            continue
+        return [(f"{where}.content", f"must be a string or a list of content parts, got {_kind(content)}")]
+    return []
+
+
+def _check_embedding_input(value: Any) -> list[FieldProblem]:
+    if isinstance(value, str):
+        return [] if value else [("body.input", "is an empty string; there is nothing to embed")]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return []
+    if isinstance(value, list):
+        return [
+            (
+                "body.input",
+                f"holds {len(value)} items; put one text per row (one row per custom_id)",
+            )
+        ]
+    return [("body.input", f"an embeddings row needs a string input, got {_kind(value)}")]
+
+
+def parse_options(raw: dict[str, Any]) -> JobOptions:
+    """Builds JobOptions from a dict (options file + CLI flags), or raises JobRejected."""
+    try:
+        options = JobOptions.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "options"
+            msg = "is not a known option" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(Problem(f"{msg} (options)", field=loc))
+        raise JobRejected(problems) from None
+    if options.response_format is not None:
+        found = check_response_format(options.response_format, "response_format")
+        if found:
+            raise JobRejected([Problem(m + " (options)", field=f) for f, m in found])
+    return options
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string" if value else "an empty string"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,59 @@
+"""Shared fixtures: a Dagster instance per test, jobs run on the fake or the real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.fakes import FakeEngineResource
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return path
+
+
+def chat_row(cid: str, text: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": text}], **body},
+    }
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+@pytest.fixture
+def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
+    storage = StorageResource(work_root=str(tmp_path / "work"))
+    return JobRunner(instance, storage, FakeEngineResource())
+
+
+def real_engine_resource() -> EngineResource:
+    """The real vLLM engine on this machine, sized for the CPU build and small test jobs."""
+    return EngineResource(max_model_len=2048)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_env() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

