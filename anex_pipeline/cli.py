@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", required=True, help="result file, same format as the input")
     run.add_argument("--report", default=None, help="report path; default <output>.report.json")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _add_option_flags(run)
     _engine_flags(run)
 
@@ -117,7 +118,8 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.response_format:
         raw["response_format"] = _json_arg("--response-format", args.response_format)
     if args.media_allowed_host:
-        raw["media"] = {**raw.get("media", {}), "allowed_hosts": args.media_allowed_host}
+        media = raw.get("media", {})  # anything but an object is left for the option check to reject
+        raw["media"] = {**media, "allowed_hosts": args.media_allowed_host} if isinstance(media, dict) else media
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -165,6 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from anex_pipeline.runner import JobRunner, StepFailed
 
     _progress_logging(args.quiet)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     raw = collect_options(args)
     storage = StorageResource(work_root=args.work_dir or default_work_root())
     engine = EngineResource(dtype=args.dtype, max_model_len=args.max_model_len, memory_share=args.memory_share)
@@ -202,14 +206,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     options = parse_options(collect_options(args))
     kind, endpoint, rows = check_input(Path(args.input), options)
-    count, problems = 0, []
+    count, problems, problem_count = 0, [], 0
     for item in rows:
         if isinstance(item, Problem):
-            problems.append(item)
+            problem_count += 1
+            if len(problems) < 1000:  # keep memory bounded on a file where every line is wrong
+                problems.append(item)
         else:
             count += 1
     if problems:
-        raise JobRejected(problems[:1000], total=len(problems))
+        raise JobRejected(problems, total=problem_count)
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
     print(f"ok: {count} rows, {kind}, {endpoint} endpoint")

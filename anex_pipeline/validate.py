@@ -6,10 +6,11 @@ and turn them into :class:`~anex_pipeline.spec.Problem` objects.
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from anex_pipeline.spec import Endpoint, JobOptions, JobRejected, Problem
 
@@ -59,7 +60,9 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         return [("body", f"must be an object with the request, got {_kind(body)}")]
     problems: list[FieldProblem] = []
     model = body.get("model")
-    if model is not None and model not in model_names:
+    if model is not None and not isinstance(model, str):
+        problems.append(("body.model", f"must be the model's name as a string, got {_kind(model)}"))
+    elif model is not None and model not in model_names:
         wanted = sorted(model_names)[0]
         problems.append(
             (
@@ -132,7 +135,7 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "options"
-            msg = "is not a known option" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
             problems.append(Problem(f"{msg} (options)", field=loc))
         raise JobRejected(problems) from None
     if options.response_format is not None:
@@ -140,6 +143,17 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         if found:
             raise JobRejected([Problem(m + " (options)", field=f) for f, m in found])
     return options
+
+
+def _unknown_option(loc: tuple[Any, ...]) -> str:
+    """The message for an unknown key, with the closest known name when there is one."""
+    model: Any = JobOptions
+    for part in loc[:-1]:  # a nested option such as media.max_byte
+        model = getattr(model.model_fields.get(str(part)), "annotation", None)
+        if not isinstance(model, type) or not issubclass(model, BaseModel):
+            return "is not a known option"
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"is not a known option; did you mean '{close[0]}'?" if close else "is not a known option"
 
 
 def _kind(value: Any) -> str:

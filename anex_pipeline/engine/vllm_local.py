@@ -40,6 +40,8 @@ SAMPLING_KEYS = frozenset(
         "logit_bias",
     }
 )
+NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INTEGER_KEYS = ("seed", "top_k", "min_tokens")
 MEDIA_PART_TYPES = {"image_url": "images", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 
 
@@ -144,6 +146,7 @@ class VllmLocalEngine:
 
     def _sampling_params(self, req: EngineRequest, prompt_len: int) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import StructuredOutputsParams
 
         unknown = sorted(set(req.sampling) - SAMPLING_KEYS - NON_SAMPLING_KEYS)
@@ -159,17 +162,22 @@ class VllmLocalEngine:
         cap = req.max_tokens
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise RequestProblem(f"max_tokens must be a positive integer, got {cap!r}", "max_tokens")
+        for key in NUMBER_KEYS + INTEGER_KEYS:
+            value = req.sampling.get(key)
+            wanted = int if key in INTEGER_KEYS else (int, float)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+                kind = "an integer" if key in INTEGER_KEYS else "a number"
+                raise RequestProblem(f"{key} must be {kind}, got {value!r}", key)
         kwargs = {**self.defaults, **req.sampling}
         kwargs["max_tokens"] = min(cap or room, room)
         rf = req.response_format
-        if rf is not None:
-            if rf["type"] == "json_object":
-                kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
-            else:
-                kwargs["structured_outputs"] = StructuredOutputsParams(json=rf["json_schema"]["schema"])
         try:
+            if rf is not None and rf["type"] == "json_object":
+                kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
+            elif rf is not None:
+                kwargs["structured_outputs"] = StructuredOutputsParams(json=rf["json_schema"]["schema"])
             return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as exc:
+        except (VLLMValidationError, ValueError, TypeError) as exc:
             param = getattr(exc, "parameter", None)
             raise RequestProblem(f"invalid request parameter: {exc}", param) from None
 
@@ -198,11 +206,13 @@ class VllmLocalEngine:
         self, ready: list[tuple[EngineRequest, list[int], Any]]
     ) -> list[tuple[EngineRequest, RowOutcome]]:
         """Runs the batch; if vLLM refuses it as a whole, splits it to find the rows at fault."""
+        from vllm.exceptions import VLLMValidationError
+
         if not ready:
             return []
         try:
             return self._run_batch(ready)
-        except (ValueError, TypeError) as exc:
+        except (VLLMValidationError, ValueError, TypeError) as exc:
             if len(ready) == 1:
                 req = ready[0][0]
                 return [(req, rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))]

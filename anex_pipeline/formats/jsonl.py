@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from anex_pipeline.formats import InputRow
-from anex_pipeline.spec import ENDPOINT_BY_URL, Endpoint, JobOptions, Problem, RowOutcome
-from anex_pipeline.validate import check_body
+from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.validate import _kind, check_body
 
+CHAT_URL = URL_BY_ENDPOINT["chat"]
 MAX_LINE_BYTES = 32 * 1024 * 1024
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 _UTF8_BOM = b"\xef\xbb\xbf"
+_GZIP_MAGIC = b"\x1f\x8b"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _Lines:
@@ -37,8 +41,25 @@ class _Lines:
             yield number, chunk
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1024 * 1024), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value; write a number or null")
+
+
 def _decode(raw: bytes) -> tuple[Any, str | None]:
     """Parses one line; returns (value, None) or (None, reason)."""
+    if b"\0" in raw:
+        return (
+            None,
+            f"holds a NUL byte (0x00 at column {raw.index(0) + 1}); the file looks binary or UTF-16/32 "
+            "encoded: save it as UTF-8 JSONL",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -47,11 +68,23 @@ def _decode(raw: bytes) -> tuple[Any, str | None]:
             f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8",
         )
     try:
-        return json.loads(text), None
+        value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         return None, "is JSON nested too deeply to read"
     except json.JSONDecodeError as exc:
-        return None, f"is not valid JSON: {exc.msg} at column {exc.colno}"
+        return None, f"is not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"
+    except ValueError as exc:
+        return None, f"is not valid JSON: {exc}"
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                None,
+                f"holds a lone surrogate escape (\\u{ord(exc.object[exc.start]):04x}), which is not valid "
+                "Unicode text; fix or remove it",
+            )
+    return value, None
 
 
 def _first_endpoint(path: Path) -> Endpoint | None:
@@ -61,7 +94,7 @@ def _first_endpoint(path: Path) -> Endpoint | None:
             if raw is None or not raw.strip():
                 continue
             value, _ = _decode(raw.removeprefix(_UTF8_BOM))
-            if isinstance(value, dict) and value.get("url") in ENDPOINT_BY_URL:
+            if isinstance(value, dict) and isinstance(value.get("url"), str) and value["url"] in ENDPOINT_BY_URL:
                 return ENDPOINT_BY_URL[value["url"]]
     return None
 
@@ -79,15 +112,18 @@ def read_requests(
     index = 0
     with path.open("rb") as f:
         head = f.read(4)
-        if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[1::2] == b"\0\0"):
+        if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
             yield Problem("the file is UTF-16 or UTF-32 encoded; save it as UTF-8 JSONL", line=1)
+            return
+        if head.startswith(_GZIP_MAGIC):
+            yield Problem("the file is gzip-compressed; decompress it and submit the JSONL inside", line=1)
             return
         f.seek(0)
         for number, raw in _Lines(f):
             if number == 1 and raw is not None:
                 raw = raw.removeprefix(_UTF8_BOM)
             if raw is None:
-                yield Problem(f"is longer than {MAX_LINE_BYTES // (1024 * 1024)} MiB; split or shorten it", line=number)
+                yield Problem(f"is longer than {_size(MAX_LINE_BYTES)}; split or shorten it", line=number)
                 continue
             if not raw.strip():
                 continue
@@ -112,8 +148,10 @@ def _check_line(
         return [Problem("must be a JSON object with custom_id and body", line=number)]
     problems = []
     cid = value.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        problems.append(Problem("is required and must be a non-empty string", number, "custom_id"))
+    if "custom_id" not in value:
+        problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id"))
+    elif not isinstance(cid, str) or not cid:
+        problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id"))
     elif cid in seen:
         problems.append(
             Problem(f"'{cid}' is already used on line {seen[cid]}; ids must be unique", number, "custom_id")
@@ -122,7 +160,9 @@ def _check_line(
     if method != "POST":
         problems.append(Problem(f"must be POST, got {json.dumps(method)}", number, "method"))
     url = value.get("url")
-    if url is not None and url not in ENDPOINT_BY_URL:
+    if url is not None and not isinstance(url, str):
+        problems.append(Problem(f"must be a string such as {CHAT_URL}, got {_kind(url)}", number, "url"))
+    elif url is not None and url not in ENDPOINT_BY_URL:
         problems.append(
             Problem(f"{json.dumps(url)} is not supported; use one of {', '.join(ENDPOINT_BY_URL)}", number, "url")
         )
@@ -133,7 +173,8 @@ def _check_line(
     if "body" not in value:
         problems.append(Problem("is required: the request as the OpenAI API takes it", number, "body"))
     else:
-        problems += [Problem(msg, number, fld) for fld, msg in check_body(value["body"], endpoint, model_names)]
+        own = ENDPOINT_BY_URL.get(url, endpoint) if isinstance(url, str) else endpoint  # not the job's, if mixed
+        problems += [Problem(msg, number, fld) for fld, msg in check_body(value["body"], own, model_names)]
     return problems
 
 

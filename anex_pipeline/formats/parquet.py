@@ -134,6 +134,8 @@ def _body(
         if options.system_prompt and isinstance(messages, list):
             messages = [{"role": "system", "content": options.system_prompt}, *messages]
         body = {"messages": messages}
+    if value is None:
+        return body, [(column, "is null; the row has nothing to send")]
     if isinstance(value, str) and not value.strip() and endpoint != "embeddings":
         return body, [(column, "is empty; there is no prompt to send")]
     return body, check_body(body, endpoint, model_names)

@@ -1,0 +1,481 @@
+"""A corpus of malformed jobs: each one is rejected at submit time, the way SPEC section 2 demands.
+
+Every case goes through the command line twice, as ``validate`` and as ``run``. Both must exit
+with code 2, print a message to stderr that names the offending line (and the field, where one
+applies) and no traceback, and ``run`` must write neither a result file nor a report and never
+reach the engine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from anex_pipeline.cli import main
+from anex_pipeline.formats import jsonl
+from anex_pipeline.runner import JobRunner
+
+CHAT_URL = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Say hello in French."}]
+
+
+def chat(cid: Any = "row-1", **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": CHAT_URL, "body": {"messages": MESSAGES, **body}}
+
+
+def completion(cid: str = "row-1", **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "url": "/v1/completions", "body": body}
+
+
+def embedding(cid: str = "row-1", **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "url": "/v1/embeddings", "body": body}
+
+
+def jsonl_bytes(*rows: Any) -> bytes:
+    """One line per row: dicts are dumped as JSON, str and bytes are written as they are."""
+    out = b""
+    for row in rows:
+        if isinstance(row, bytes):
+            out += row
+        elif isinstance(row, str):
+            out += row.encode("utf-8")
+        else:
+            out += json.dumps(row).encode("utf-8")
+        out += b"\n"
+    return out
+
+
+def parquet_writer(columns: dict[str, list[Any]]) -> Callable[[Path], None]:
+    return lambda path: pq.write_table(pa.table(columns), path)
+
+
+def schema_format(json_schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": json_schema}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A bad job: its input file, optional options file and flags, and what the message must say."""
+
+    content: bytes | Callable[[Path], None] | None  # None: the input path is never created
+    line: int | None = None  # the line (or Parquet row) the message must name
+    field: str | None = None  # the field the message must name
+    says: tuple[str, ...] = ()  # further words the message must contain
+    name: str = "in.jsonl"
+    options: dict[str, Any] | bytes | None = None  # written to job.json and passed with --options
+    flags: tuple[str, ...] = ()
+    max_line_bytes: int | None = None  # shrinks the JSONL reader's line limit for the case
+
+
+def case(case_id: str, content: Any, **kw: Any) -> Any:
+    return pytest.param(Case(content, **kw), id=case_id)
+
+
+GOOD = chat("ok-1")
+DEEP = b"[" * 100_000
+SEVERAL = ["one text", "another text"]
+
+CASES = [
+    # --- the file as a whole -------------------------------------------------------------------
+    case("nonexistent-path", None, says=("does not exist",)),
+    case("input-is-a-directory", lambda p: p.mkdir(), says=("is not a file",)),
+    case("empty-file", b"", says=("empty", "no rows")),
+    case("only-blank-lines", b"\n\n   \n\t\n\r\n", says=("no rows",)),
+    case("binary-garbage", random.Random(7).randbytes(3000), line=1),
+    case("gzip-compressed-jsonl", gzip.compress(jsonl_bytes(GOOD)), says=("gzip",)),
+    case("utf16-with-bom", jsonl_bytes(GOOD).decode().encode("utf-16"), line=1, says=("UTF-16", "UTF-8")),
+    case("utf16-without-bom", jsonl_bytes(GOOD).decode().encode("utf-16-le"), line=1, says=("UTF-8",)),
+    case("all-nul-bytes", b"\0" * 64, line=1, says=("NUL",)),
+    # --- lines that are not JSON objects -------------------------------------------------------
+    case("broken-json", jsonl_bytes(GOOD, '{"custom_id": "row-2", "body": {'), line=2, says=("not valid JSON",)),
+    case("trailing-comma", jsonl_bytes(GOOD, GOOD | {"custom_id": "r2"}, '{"custom_id": "r3",}'), line=3),
+    case(
+        "nan-is-not-json",
+        jsonl_bytes(
+            GOOD, '{"custom_id": "r2", "body": {"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}}'
+        ),
+        line=2,
+        says=("NaN",),
+    ),
+    case("line-is-array", jsonl_bytes(GOOD, [GOOD]), line=2, says=("JSON object",)),
+    case("line-is-number", jsonl_bytes(GOOD, "42"), line=2, says=("JSON object",)),
+    case("line-is-string", jsonl_bytes(GOOD, '"row"'), line=2, says=("JSON object",)),
+    case("line-is-null", jsonl_bytes(GOOD, "null"), line=2, says=("JSON object",)),
+    case("invalid-utf8", jsonl_bytes(GOOD, b'{"custom_id": "r\xff\xfe2", "body": {}}'), line=2, says=("UTF-8",)),
+    case("nul-byte-in-line", jsonl_bytes(GOOD, b'{"custom_id": "r\x002", "body": {}}'), line=2, says=("NUL",)),
+    case(
+        "lone-surrogate-escape",
+        jsonl_bytes(GOOD, r'{"custom_id": "r2", "body": {"messages": [{"role": "user", "content": "\ud800"}]}}'),
+        line=2,
+        says=("surrogate",),
+    ),
+    case("deeply-nested", jsonl_bytes(GOOD, DEEP), line=2, says=("nested",)),
+    case(
+        "deeply-nested-body",
+        jsonl_bytes(GOOD, b'{"custom_id": "r2", "body": ' + DEEP + b"]" * 100_000 + b"}"),
+        line=2,
+        says=("nested",),
+    ),
+    case(
+        "huge-line",
+        jsonl_bytes(GOOD, chat("big", max_tokens=5) | {"pad": "x" * 5000}, "not json"),
+        line=2,
+        says=("longer than 1 KiB", "line 3"),
+        max_line_bytes=1024,
+    ),
+    # --- custom_id ------------------------------------------------------------------------------
+    case("missing-custom-id", jsonl_bytes(GOOD, {"body": {"messages": MESSAGES}}), line=2, field="custom_id"),
+    case("empty-custom-id", jsonl_bytes(GOOD, chat("")), line=2, field="custom_id"),
+    case("numeric-custom-id", jsonl_bytes(GOOD, chat(2)), line=2, field="custom_id", says=("string, got a number",)),
+    case("null-custom-id", jsonl_bytes(GOOD, chat(None)), line=2, field="custom_id"),
+    case("list-custom-id", jsonl_bytes(GOOD, chat(["a"])), line=2, field="custom_id"),
+    case(
+        "duplicate-custom-id",
+        jsonl_bytes(chat("a"), chat("b"), chat("c"), chat("b")),
+        line=4,
+        field="custom_id",
+        says=("line 2",),
+    ),
+    # --- method and url -------------------------------------------------------------------------
+    case("method-get", jsonl_bytes(GOOD, chat("r2") | {"method": "GET"}), line=2, field="method"),
+    case("unsupported-url", jsonl_bytes(GOOD, chat("r2") | {"url": "/v1/responses"}), line=2, field="url"),
+    case("url-not-a-string", jsonl_bytes(GOOD, chat("r2") | {"url": ["/v1/completions"]}), line=2, field="url"),
+    case("url-on-first-line-a-list", jsonl_bytes(chat("r1") | {"url": {"a": 1}}, GOOD), line=1, field="url"),
+    case(
+        "mixed-endpoints",
+        jsonl_bytes(GOOD, completion("r2", prompt="Once upon a time")),
+        line=2,
+        field="url",
+        says=("one endpoint per file", "1 problem(s)"),  # its body is a fine completions body
+    ),
+    # --- body -----------------------------------------------------------------------------------
+    case("missing-body", jsonl_bytes(GOOD, {"custom_id": "r2", "url": CHAT_URL}), line=2, field="body"),
+    case("body-is-string", jsonl_bytes(GOOD, {"custom_id": "r2", "body": "hello"}), line=2, field="body"),
+    case("body-is-list", jsonl_bytes(GOOD, {"custom_id": "r2", "body": [MESSAGES]}), line=2, field="body"),
+    case("chat-without-messages", jsonl_bytes(GOOD, {"custom_id": "r2", "body": {}}), line=2, field="body.messages"),
+    case("chat-empty-messages", jsonl_bytes(GOOD, chat("r2", messages=[])), line=2, field="body.messages"),
+    case("chat-messages-not-list", jsonl_bytes(GOOD, chat("r2", messages="hi")), line=2, field="body.messages"),
+    case(
+        "chat-message-without-role",
+        jsonl_bytes(GOOD, chat("r2", messages=[{"content": "hi"}])),
+        line=2,
+        field="body.messages[0].role",
+    ),
+    case(
+        "chat-message-bad-role",
+        jsonl_bytes(GOOD, chat("r2", messages=[{"role": "robot", "content": "hi"}])),
+        line=2,
+        field="body.messages[0].role",
+    ),
+    case(
+        "chat-message-not-object",
+        jsonl_bytes(GOOD, chat("r2", messages=["hi"])),
+        line=2,
+        field="body.messages[0]",
+    ),
+    case(
+        "completions-without-prompt",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", max_tokens=3)),
+        line=2,
+        field="body.prompt",
+    ),
+    case(
+        "embeddings-without-input",
+        jsonl_bytes(embedding("r1", input="a"), embedding("r2")),
+        line=2,
+        field="body.input",
+    ),
+    case(
+        "embeddings-several-inputs",
+        jsonl_bytes(embedding("r1", input="a"), embedding("r2", input=SEVERAL)),
+        line=2,
+        field="body.input",
+        says=("one text per row",),
+    ),
+    case(
+        "other-model",
+        jsonl_bytes(GOOD, chat("r2", model="gpt-4o")),
+        line=2,
+        field="body.model",
+        says=("gpt-4o",),
+    ),
+    case("model-not-a-string", jsonl_bytes(GOOD, chat("r2", model=["gpt-4o"])), line=2, field="body.model"),
+    case("stream-true", jsonl_bytes(GOOD, chat("r2", stream=True)), line=2, field="body.stream"),
+    case("n-2", jsonl_bytes(GOOD, chat("r2", n=2)), line=2, field="body.n"),
+    case(
+        "row-response-format-xml",
+        jsonl_bytes(GOOD, chat("r2", response_format={"type": "xml"})),
+        line=2,
+        field="body.response_format.type",
+    ),
+    case(
+        "row-response-format-flat-schema",
+        jsonl_bytes(GOOD, chat("r2", response_format=schema_format({"name": "x", "type": "object"}))),
+        line=2,
+        field="body.response_format.json_schema.schema",
+    ),
+    case(
+        "row-response-format-string",
+        jsonl_bytes(GOOD, chat("r2", response_format="json_object")),
+        line=2,
+        field="body.response_format",
+    ),
+    # --- job options ----------------------------------------------------------------------------
+    case("unknown-option", jsonl_bytes(GOOD), options={"max_tokenz": 5}, field="max_tokenz", says=("max_tokens",)),
+    case("options-not-json", jsonl_bytes(GOOD), options=b"max_tokens: 5\n", says=("not valid JSON",)),
+    case("options-a-list", jsonl_bytes(GOOD), options=b'[{"max_tokens": 5}]', says=("JSON object",)),
+    case("option-wrong-type", jsonl_bytes(GOOD), options={"max_tokens": "many"}, field="max_tokens"),
+    case("option-out-of-range", jsonl_bytes(GOOD), options={"shards": 0}, field="shards"),
+    case(
+        "option-media-not-object-with-flag",
+        jsonl_bytes(GOOD),
+        options={"media": "none"},
+        flags=("--media-allowed-host", "images.example.com"),
+        field="media",
+    ),
+    case(
+        "response-format-xml",
+        jsonl_bytes(GOOD),
+        options={"response_format": {"type": "xml"}},
+        field="response_format.type",
+    ),
+    case(
+        "response-format-flag-xml",
+        jsonl_bytes(GOOD),
+        flags=("--response-format", '{"type": "xml"}'),
+        field="response_format.type",
+    ),
+    case(
+        "json-schema-without-nested-schema",
+        jsonl_bytes(GOOD),
+        options={"response_format": schema_format({"name": "x", "type": "object", "properties": {}})},
+        field="response_format.json_schema.schema",
+    ),
+    case(
+        "json-schema-missing",
+        jsonl_bytes(GOOD),
+        options={"response_format": {"type": "json_schema"}},
+        field="response_format.json_schema",
+    ),
+    case(
+        "json-schema-schema-is-string",
+        jsonl_bytes(GOOD),
+        options={"response_format": schema_format({"name": "x", "schema": '{"type": "object"}'})},
+        field="response_format.json_schema.schema",
+    ),
+    case(
+        "json-schema-with-type-json-object",
+        jsonl_bytes(GOOD),
+        options={"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+        field="response_format.json_schema",
+    ),
+    case("model-option-differs-from-rows", jsonl_bytes(chat("r1", model="a/b")), flags=("--model", "c/d"), line=1),
+    # --- Parquet --------------------------------------------------------------------------------
+    case("parquet-named-but-jsonl", jsonl_bytes(GOOD), name="in.parquet", says=("not a Parquet file",)),
+    case("parquet-truncated", b"PAR1" + b"\0" * 100, name="in.parquet", says=("Parquet",)),
+    case(
+        "parquet-without-prompt-column",
+        parquet_writer({"question": ["a", "b"]}),
+        name="in.parquet",
+        says=("'messages' or 'prompt'", "question"),
+    ),
+    case(
+        "parquet-prompt-column-option-missing",
+        parquet_writer({"prompt": ["a", "b"]}),
+        name="in.parquet",
+        options={"prompt_column": "question"},
+        field="prompt_column",
+    ),
+    case(
+        "parquet-duplicate-id",
+        parquet_writer({"id": [1, 2, 1], "prompt": ["a", "b", "c"]}),
+        name="in.parquet",
+        line=3,
+        field="id",
+    ),
+    case(
+        "parquet-null-id",
+        parquet_writer({"id": ["x", None, "z"], "prompt": ["a", "b", "c"]}),
+        name="in.parquet",
+        line=2,
+        field="id",
+    ),
+    case(
+        "parquet-empty-prompt",
+        parquet_writer({"prompt": ["a", "", "  "]}),
+        name="in.parquet",
+        line=2,
+        field="prompt",
+        says=("line 3", "is empty"),
+    ),
+    case(
+        "parquet-null-prompt",
+        parquet_writer({"prompt": ["a", None]}),
+        name="in.parquet",
+        line=2,
+        field="prompt",
+        says=("is null",),
+    ),
+    case(
+        "parquet-null-messages",
+        parquet_writer({"messages": [[{"role": "user", "content": "hi"}], None]}),
+        name="in.parquet",
+        line=2,
+        field="messages",
+        says=("is null",),
+    ),
+    case(
+        "parquet-message-bad-role",
+        parquet_writer({"messages": [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "hi"}]]}),
+        name="in.parquet",
+        line=2,
+        field="messages",
+        says=("robot",),
+    ),
+    case(
+        "parquet-embeddings-empty-text",
+        parquet_writer({"text": ["a", ""]}),
+        name="in.parquet",
+        line=2,
+        field="text",
+        says=("nothing to embed",),
+    ),
+    case(
+        "parquet-no-rows",
+        parquet_writer({"prompt": pa.array([], pa.string())}),
+        name="in.parquet",
+        says=("no rows",),
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Keeps the work folder and the Dagster instance in tmp_path, and the engine out of reach."""
+    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rejected job reached the Dagster steps")
+
+    monkeypatch.setattr(JobRunner, "_execute", no_engine)
+    progress = logging.getLogger("anex_pipeline.progress")
+    handlers = list(progress.handlers)
+    yield
+    progress.handlers[:] = handlers  # `run` adds a handler bound to this test's captured stderr
+
+
+def write_case(c: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:
+    """Writes the case's files; returns the input path and the extra command-line arguments."""
+    src = tmp_path / c.name
+    if isinstance(c.content, bytes):
+        src.write_bytes(c.content)
+    elif c.content is not None:
+        c.content(src)
+    args = list(c.flags)
+    if c.options is not None:
+        opts = tmp_path / "job.json"
+        opts.write_bytes(c.options if isinstance(c.options, bytes) else json.dumps(c.options).encode())
+        args += ["--options", str(opts)]
+    if c.max_line_bytes is not None:
+        monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", c.max_line_bytes)
+    return src, args
+
+
+def names_line(text: str, line: int) -> bool:
+    return re.search(rf"\bline {line}\b", text) is not None
+
+
+def assert_rejected(c: Case, code: int, err: str) -> None:
+    assert code == 2, err
+    assert err.strip(), "a rejection must say why on stderr"
+    assert "Traceback" not in err, err
+    if c.line is not None:
+        assert names_line(err, c.line), f"message does not name line {c.line}:\n{err}"
+    if c.field is not None:
+        assert c.field in err, f"message does not name field {c.field}:\n{err}"
+    for words in c.says:
+        assert words.lower() in err.lower(), f"message does not say {words!r}:\n{err}"
+
+
+@pytest.mark.parametrize("c", CASES)
+def test_validate_rejects(c: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    src, args = write_case(c, tmp_path, monkeypatch)
+    code = main(["validate", str(src), *args])
+    out, err = capsys.readouterr()
+    assert_rejected(c, code, err)
+    assert "ok:" not in out
+
+
+@pytest.mark.parametrize("c", CASES)
+def test_run_rejects_before_anything_runs(
+    c: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, args = write_case(c, tmp_path, monkeypatch)
+    out_path = tmp_path / ("out.parquet" if c.name.endswith(".parquet") else "out.jsonl")
+    code = main(["run", str(src), "-o", str(out_path), "--quiet", *args])
+    out, err = capsys.readouterr()
+    assert_rejected(c, code, err)
+    assert not out_path.exists()
+    assert not out_path.with_name(out_path.stem + ".report.json").exists()
+    assert not list(tmp_path.glob("out*")), "a rejected job left output files behind"
+    assert '"job_id"' not in out, "a rejected job printed a report"
+
+
+def test_every_case_id_is_unique() -> None:
+    ids = [p.id for p in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 30
+
+
+# --- what is accepted, and reporting many problems --------------------------------------------
+
+
+def test_utf8_bom_at_start_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + jsonl_bytes(chat("a"), chat("b")))
+    assert main(["validate", str(src)]) == 0
+    out, err = capsys.readouterr()
+    assert "ok: 2 rows" in out and "Traceback" not in err
+
+
+def test_utf8_bom_after_the_first_line_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl_bytes(chat("a"), b"\xef\xbb\xbf" + json.dumps(chat("b")).encode()))
+    assert main(["validate", str(src)]) == 2
+    assert names_line(capsys.readouterr().err, 2)
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_more_than_twenty_bad_lines_are_all_named(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows: list[Any] = [chat(f"r{i}") for i in range(40)]
+    bad = list(range(3, 40, 2))  # 19 lines with a bad custom_id ...
+    for i in bad:
+        rows[i] = chat("")
+    rows.insert(10, "{not json")  # ... a line that is not JSON, one that is not an object ...
+    rows.insert(25, "[1, 2, 3]")
+    rows.append(chat("r0"))  # a duplicate of line 1
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl_bytes(*rows))
+    argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl"), "--quiet"] if command == "run" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    expected = [n + 1 for n, row in enumerate(rows) if not isinstance(row, dict) or row["custom_id"] in ("",)]
+    expected.append(len(rows))
+    assert len(expected) == 22
+    assert "job rejected: 22 problem(s)" in err
+    missing = [n for n in expected if not names_line(err, n)]
+    assert not missing, f"lines not named: {missing}\n{err}"
+    assert not (tmp_path / "out.jsonl").exists()
