@@ -456,26 +456,48 @@ def test_utf8_bom_after_the_first_line_is_rejected(tmp_path: Path, capsys: pytes
     assert names_line(capsys.readouterr().err, 2)
 
 
+def bad_row(n: int) -> Any:
+    """A different way for line ``n`` to be wrong, in turn."""
+    kinds: list[Any] = [
+        "{not json",
+        "[1, 2, 3]",
+        chat(""),
+        chat(f"r{n}", messages=[]),
+        chat(f"r{n}") | {"method": "GET"},
+        chat(f"r{n}", stream=True),
+    ]
+    return kinds[n % len(kinds)]
+
+
+def many_bad_lines(path: Path, lines: int) -> list[int]:
+    """Writes a file whose even lines are good and odd lines bad; returns the bad line numbers."""
+    rows = [bad_row(n) if n % 2 else chat(f"r{n}") for n in range(1, lines + 1)]
+    path.write_bytes(jsonl_bytes(*rows))
+    return list(range(1, lines + 1, 2))
+
+
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_more_than_twenty_bad_lines_are_all_named(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rows: list[Any] = [chat(f"r{i}") for i in range(40)]
-    bad = list(range(3, 40, 2))  # 19 lines with a bad custom_id ...
-    for i in bad:
-        rows[i] = chat("")
-    rows.insert(10, "{not json")  # ... a line that is not JSON, one that is not an object ...
-    rows.insert(25, "[1, 2, 3]")
-    rows.append(chat("r0"))  # a duplicate of line 1
     src = tmp_path / "in.jsonl"
-    src.write_bytes(jsonl_bytes(*rows))
+    bad = many_bad_lines(src, 60)
     argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl"), "--quiet"] if command == "run" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err
-    expected = [n + 1 for n, row in enumerate(rows) if not isinstance(row, dict) or row["custom_id"] in ("",)]
-    expected.append(len(rows))
-    assert len(expected) == 22
-    assert "job rejected: 22 problem(s)" in err
-    missing = [n for n in expected if not names_line(err, n)]
-    assert not missing, f"lines not named: {missing}\n{err}"
+    assert "job rejected: 30 problem(s)" in err and "Traceback" not in err
+    assert not [n for n in bad if not names_line(err, n)], err
+    assert not [n for n in range(2, 61, 2) if names_line(err, n)], "a good line was named"
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_thousands_of_bad_lines_are_counted_and_the_first_ones_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "in.jsonl"
+    bad = many_bad_lines(src, 5000)
+    assert main(["validate", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert f"job rejected: {len(bad)} problem(s)" in err
+    assert all(names_line(err, n) for n in bad[:20]), err
+    assert re.search(r"\.\.\. and \d+ more", err), err
