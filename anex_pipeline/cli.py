@@ -154,10 +154,12 @@ def _instance() -> Any:
 
 
 def _progress_logging(quiet: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[anex] %(message)s"))
     progress = logging.getLogger("anex_pipeline.progress")
-    progress.addHandler(handler)
+    if not any(getattr(h, "anex_progress", False) for h in progress.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[anex] %(message)s"))
+        handler.anex_progress = True  # type: ignore[attr-defined]
+        progress.addHandler(handler)
     progress.setLevel(logging.WARNING if quiet else logging.INFO)
     progress.propagate = False
 

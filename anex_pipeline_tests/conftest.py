@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobReport
 from anex_pipeline_tests.fakes import FakeEngineResource
 
 
@@ -54,6 +54,15 @@ def real_engine_resource() -> EngineResource:
     return EngineResource(max_model_len=2048)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _cache_env() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+@pytest.fixture(scope="session")
+def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]:
+    """One runner on the real engine for the whole session: engine modules share its loaded model."""
+    storage = StorageResource(work_root=str(tmp_path_factory.mktemp("real-work")))
+    with dg.DagsterInstance.ephemeral() as inst:
+        runner = JobRunner(inst, storage, real_engine_resource())
+        yield runner
+        runner.close()
+
+
+def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:
+    return runner.run(runner.submit(str(src), str(out), options or {}))

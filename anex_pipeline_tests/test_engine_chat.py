@@ -1,65 +1,37 @@
 """Real jobs on the real vLLM engine (the CPU build here) with the embedded SmolLM2 model.
 
-One engine is loaded for the module's jobs and shared by all of them, as the CLI shares it
+The jobs share one runner (and so one loaded engine) for the whole session, as the CLI shares it
 across a job's steps; the CLI test loads its own, since the command releases it on exit.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
-import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.cli import main
-from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobReport
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, real_engine_resource, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]:
-    """One runner, hence one loaded engine, for every job of this module."""
-    storage = StorageResource(work_root=str(tmp_path_factory.mktemp("work")))
-    with dg.DagsterInstance.ephemeral() as instance:
-        job_runner = JobRunner(instance, storage, real_engine_resource())
-        yield job_runner
-        job_runner.close()
-
-
-def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:
-    return runner.run(runner.submit(str(src), str(out), options or {}))
-
-
-@pytest.fixture
-def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    return tmp_path
-
-
-def run_cli(*args: str) -> int:
-    return main(["run", *args, "--max-model-len", "2048", "--quiet"])
-
-
-def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, runner: JobRunner) -> None:
+def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: JobRunner) -> None:
     rows = [chat_row(f"row-{i}", f"What is {i} plus {i}?", max_tokens=8, temperature=0) for i in range(200)]
     rows[123] = chat_row("row-123", "tell me a story " * 700, max_tokens=8)  # about 2,800 tokens
     rows[7] = chat_row("row-7", "hi", max_tokens=8, temperature=-1.0)  # an invalid parameter
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
 
-    assert run_job(runner, src, out, {"shards": 2}).status == "completed"
+    assert run_job(real_runner, src, out, {"shards": 2}).status == "completed"
 
     lines = read_jsonl(out)
     assert [line["custom_id"] for line in lines] == [f"row-{i}" for i in range(200)]
@@ -84,19 +56,25 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, runner: JobRu
     assert report["usage"]["completion_tokens"] > 0
 
 
-def test_cli_run_gives_real_english_answers(cli_env: Path) -> None:
+def test_cli_run_gives_real_english_answers(tmp_path: Path) -> None:
+    """The installed command, in its own process, as a user runs it."""
     rows = [chat_row("paris", "What is the capital of France? Answer in one sentence.", max_tokens=24, temperature=0)]
-    src = write_jsonl(cli_env / "in.jsonl", rows)
-    assert run_cli(str(src), "-o", str(cli_env / "out.jsonl")) == 0
-    answer = read_jsonl(cli_env / "out.jsonl")[0]["response"]["body"]["choices"][0]["message"]["content"]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    env = {**os.environ, "ANEX_WORK_DIR": str(tmp_path / "work"), "DAGSTER_HOME": str(tmp_path / "dagster")}
+    command = [str(Path(sys.executable).with_name("anex-pipeline")), "run", str(src), "-o", str(tmp_path / "out.jsonl")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["status"] == "completed"
+    assert "1/1 rows" in done.stderr  # progress lines
+    answer = read_jsonl(tmp_path / "out.jsonl")[0]["response"]["body"]["choices"][0]["message"]["content"]
     assert "Paris" in answer
 
 
-def test_200_row_parquet_job(tmp_path: Path, runner: JobRunner) -> None:
+def test_200_row_parquet_job(tmp_path: Path, real_runner: JobRunner) -> None:
     prompts = [f"Name a colour. ({i})" for i in range(200)]
     pq.write_table(pa.table({"prompt": prompts, "batch": ["a"] * 200}), tmp_path / "in.parquet")
     out = tmp_path / "out.parquet"
-    report = run_job(runner, tmp_path / "in.parquet", out, {"max_tokens": 6, "temperature": 0})
+    report = run_job(real_runner, tmp_path / "in.parquet", out, {"max_tokens": 6, "temperature": 0})
     assert report.status == "completed" and report.request_counts.completed == 200
     table = pq.read_table(out)
     assert table.num_rows == 200
@@ -108,13 +86,13 @@ def test_200_row_parquet_job(tmp_path: Path, runner: JobRunner) -> None:
     assert set(table.column("error_type").to_pylist()) <= {None, "length"}
 
 
-def test_completions_job(tmp_path: Path, runner: JobRunner) -> None:
+def test_completions_job(tmp_path: Path, real_runner: JobRunner) -> None:
     rows = [
         {"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": p, "max_tokens": 12, "temperature": 0}}
         for i, p in enumerate(["The capital of Italy is", "One, two, three,"])
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    run_job(runner, src, tmp_path / "out.jsonl")
+    run_job(real_runner, src, tmp_path / "out.jsonl")
     for line in read_jsonl(tmp_path / "out.jsonl"):
         body = Completion.model_validate(line["response"]["body"])
         assert body.object == "text_completion" and body.choices[0].text.strip()

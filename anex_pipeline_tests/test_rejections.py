@@ -410,7 +410,9 @@ def assert_rejected(c: Case, code: int, err: str) -> None:
 
 
 @pytest.mark.parametrize("c", CASES)
-def test_validate_rejects(c: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+def test_validate_rejects(
+    c: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     src, args = write_case(c, tmp_path, monkeypatch)
     code = main(["validate", str(src), *args])
     out, err = capsys.readouterr()
@@ -424,7 +426,7 @@ def test_run_rejects_before_anything_runs(
 ) -> None:
     src, args = write_case(c, tmp_path, monkeypatch)
     out_path = tmp_path / ("out.parquet" if c.name.endswith(".parquet") else "out.jsonl")
-    code = main(["run", str(src), "-o", str(out_path), "--quiet", *args])
+    code = main(["run", str(src), "-o", str(out_path), *args])
     out, err = capsys.readouterr()
     assert_rejected(c, code, err)
     assert not out_path.exists()
@@ -439,6 +441,42 @@ def test_every_case_id_is_unique() -> None:
 
 
 # --- what is accepted, and reporting many problems --------------------------------------------
+
+
+def exactly(limit: int) -> bytes:
+    """A good chat line of exactly ``limit`` bytes (without its newline)."""
+    base = json.dumps(chat("big") | {"pad": ""}).encode()
+    return json.dumps(chat("big") | {"pad": "x" * (limit - len(base))}).encode()
+
+
+GOOD_CASES = [
+    case("chat", jsonl_bytes(GOOD, chat("r2", max_tokens=5, n=1, stream=False))),
+    case("chat-without-method-and-url", jsonl_bytes({"custom_id": "a", "body": {"messages": MESSAGES}})),
+    case("crlf-and-blank-lines", b"\r\n" + jsonl_bytes(GOOD).replace(b"\n", b"\r\n\r\n") + b"  \n"),
+    case(
+        "surrogate-pair-escape",
+        jsonl_bytes(r'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "\ud83d\ude00 \\ud800"}]}}'),
+    ),
+    case("nan-inside-a-string", jsonl_bytes(chat("a", messages=[{"role": "user", "content": "NaN"}]))),
+    case("line-exactly-at-the-limit", jsonl_bytes(GOOD, exactly(1024)), max_line_bytes=1024),
+    case("completions", jsonl_bytes(completion("a", prompt="Once"), completion("b", prompt="upon"))),
+    case("embeddings", jsonl_bytes(embedding("a", input="x"), embedding("b", input=["y"]))),
+    case("parquet-prompt-and-id", parquet_writer({"id": [3, 1], "prompt": ["a", "b"]}), name="in.parquet"),
+    case("parquet-messages", parquet_writer({"messages": [[{"role": "user", "content": "hi"}]]}), name="in.parquet"),
+    case("parquet-text-for-embeddings", parquet_writer({"text": ["a", "b"]}), name="in.parquet"),
+]
+
+
+@pytest.mark.parametrize("c", GOOD_CASES)
+def test_the_corpus_good_rows_are_accepted(
+    c: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows the bad cases are built from pass on their own, so each rejection is for its one flaw."""
+    src, args = write_case(c, tmp_path, monkeypatch)
+    code = main(["validate", str(src), *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith("ok:")
 
 
 def test_utf8_bom_at_start_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,7 +54,8 @@ class EngineResource(dg.ConfigurableResource):
             model_name=manifest.model_name,
             runner="pooling" if manifest.endpoint == "embeddings" else "generate",
             dtype=self.dtype,
-            max_model_len=self.max_model_len,
+            # Embedding models have short fixed contexts (256 for MiniLM): use the model's own.
+            max_model_len=None if manifest.endpoint == "embeddings" else self.max_model_len,
             memory_share=self.memory_share,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=self.max_num_seqs,

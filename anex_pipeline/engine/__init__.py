@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.vllm_local import EngineSettings
 
 __all__ = ["Engine", "EngineRequest", "EngineSettings", "load_engine", "release_engines", "resolve_request"]
 
+progress = logging.getLogger("anex_pipeline.progress")
 _lock = threading.Lock()
 _loaded: dict[EngineSettings, Engine] = {}
 
@@ -23,7 +26,10 @@ def load_engine(settings: EngineSettings) -> Engine:
             _shutdown(_loaded.pop(other))
         from anex_pipeline.engine.vllm_local import VllmLocalEngine
 
+        started = time.monotonic()
+        progress.info("loading %s into vLLM", settings.model_name)
         engine = VllmLocalEngine(settings)
+        progress.info("engine ready in %.1f s", time.monotonic() - started)
         _loaded[settings] = engine
         return engine
 
