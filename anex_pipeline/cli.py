@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("input")
     _add_option_flags(val)
 
+    back = sub.add_parser("backfill", help="rerun chosen shards of a job, or every shard with failed or missing rows")
+    back.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")
+    chosen = back.add_mutually_exclusive_group()
+    chosen.add_argument("--shards", help="comma-separated shard numbers, e.g. 0,3")
+    chosen.add_argument("--failed", action="store_true", help="every shard with failed or missing rows (default)")
+    back.add_argument("--quiet", action="store_true", help="no progress lines")
+    back.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _engine_flags(back)
+
     rep = sub.add_parser("report", help="print the report of a finished job")
     rep.add_argument("path", help="the result file or its .report.json")
     return parser
@@ -164,17 +173,23 @@ def _progress_logging(quiet: bool) -> None:
     progress.propagate = False
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.defs.resources import EngineResource, StorageResource, default_work_root
-    from anex_pipeline.runner import JobRunner, StepFailed
+    from anex_pipeline.runner import JobRunner
 
     _progress_logging(args.quiet)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    raw = collect_options(args)
     storage = StorageResource(work_root=args.work_dir or default_work_root())
     engine = EngineResource(dtype=args.dtype, max_model_len=args.max_model_len, memory_share=args.memory_share)
-    runner = JobRunner(_instance(), storage, engine)
+    return JobRunner(_instance(), storage, engine)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from anex_pipeline.runner import StepFailed
+
+    raw = collect_options(args)
+    runner = _runner(args)
     try:
         log = logging.getLogger("anex_pipeline.progress")
         log.info("checking %s", args.input)
@@ -193,6 +208,38 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     finally:
         runner.close()
+    return _finish(report)
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    from anex_pipeline.runner import StepFailed
+
+    runner = _runner(args)
+    try:
+        job = runner.storage.job(args.job_id)
+        if not job.exists():
+            raise UsageError(f"no job {args.job_id} under {runner.storage.work_root}; `run` prints the job id")
+        if args.shards:
+            try:
+                shards = sorted({int(s) for s in args.shards.split(",")})
+            except ValueError:
+                raise UsageError(f"--shards takes shard numbers like 0,3; got {args.shards!r}") from None
+            count = len(job.manifest().shards)
+            if any(s < 0 or s >= count for s in shards):
+                raise UsageError(f"job {args.job_id} has shards 0 to {count - 1}")
+        else:
+            shards = runner.unfinished_shards(job)
+        logging.getLogger("anex_pipeline.progress").info("rerunning shards %s", shards or "none (all finished)")
+        report = runner.run(job, shards=shards)
+    except StepFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    finally:
+        runner.close()
+    return _finish(report)
+
+
+def _finish(report: Any) -> int:
     print(report.model_dump_json(indent=2))
     if report.status == "completed":
         print(f"result: {report.output}", file=sys.stderr)
@@ -239,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     from anex_pipeline.spec import JobRejected
 
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "validate": cmd_validate, "report": cmd_report}
+    handlers = {"run": cmd_run, "validate": cmd_validate, "backfill": cmd_backfill, "report": cmd_report}
     try:
         return handlers[args.command](args)
     except JobRejected as exc:

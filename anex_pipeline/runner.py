@@ -43,14 +43,14 @@ class JobRunner:
         """Checks the input (raising JobRejected) and registers the job's partition."""
         options = parse_options(raw_options)
         job = prepare_job(Path(input_path), output, options, Path(self.storage.work_root).expanduser(), report=report)
-        if not self.instance.has_dynamic_partition(JOBS, job.job_id):
-            self.instance.add_dynamic_partitions(JOBS, [job.job_id])
+        self._register(job)
         self._execute("submit_job", job.job_id)
         return job
 
     def run(self, job: JobDir, shards: Sequence[int] | None = None) -> JobReport:
         """Estimate, generate the chosen shards (all by default), merge and publish."""
         manifest = job.manifest()
+        self._register(job)
         job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
         try:
             self._execute("estimate_job", job.job_id)
@@ -70,6 +70,20 @@ class JobRunner:
             job.record_stop(str(exc))
         self._execute("finish_job", job.job_id)
         return JobReport.model_validate_json((job.root / "report.json").read_text())
+
+    def _register(self, job: JobDir) -> None:
+        """Adds the job's partition to this instance (a job's folder may outlive an instance)."""
+        if not self.instance.has_dynamic_partition(JOBS, job.job_id):
+            self.instance.add_dynamic_partitions(JOBS, [job.job_id])
+
+    def unfinished_shards(self, job: JobDir) -> list[int]:
+        """Shards with rows that are missing from their checkpoint or failed."""
+        manifest = job.manifest()
+        return [
+            shard
+            for shard, rng in enumerate(manifest.shards)
+            if sum(1 for o in job.read_checkpoint(shard).values() if o.ok) < rng.size
+        ]
 
     def close(self) -> None:
         release_engines()

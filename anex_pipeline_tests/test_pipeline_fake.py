@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import shared_fake_engine
+from anex_pipeline_tests.fakes import FakeEngineResource, shared_fake_engine
 
 
 def test_jsonl_chat_job_keeps_order_and_exact_envelopes(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -100,3 +103,25 @@ def test_estimate_sets_the_cap_and_its_sample_is_reused(tmp_path: Path, fake_run
     assert report.estimate.sample_size == 100 and report.estimate.max_tokens is not None
     assert "order-statistic" in report.estimate.method
     assert len(engine.seen) - before == 150  # 100 sampled rows reused, 50 generated once
+
+
+def test_backfill_command_reruns_only_unfinished_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from anex_pipeline import cli
+
+    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setattr("anex_pipeline.defs.resources.EngineResource", FakeEngineResource)
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"b{i}", f"q {i}", max_tokens=30) for i in range(30)])
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), FakeEngineResource())
+        job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"shards": 3})
+        runner.run(job, shards=[1])
+        assert runner.unfinished_shards(job) == [0, 2]
+    capsys.readouterr()
+    assert cli.main(["backfill", job.job_id, "--failed", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "completed"
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 30
+    assert cli.main(["backfill", job.job_id, "--shards", "7"]) == 2
+    assert cli.main(["backfill", "no-such-job"]) == 2

@@ -115,7 +115,8 @@ def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -
     partitions_def=job_partitions,
     deps=[validated_input],
     group_name=GROUP,
-    kinds={"python"},
+    kinds={"vllm"},
+    pool="gpu",
     description="Sets max_tokens from a generated sample when the job does not set it (SPEC section 8).",
 )
 def length_estimate(
