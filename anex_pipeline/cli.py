@@ -66,6 +66,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--memory-share", type=float, default=None, help="gpu_memory_utilization (CPU: share of RAM)")
     g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here",
+    )
+    g.add_argument("--api-key", default=None, help="bearer token for --base-url; default: $ANEX_API_KEY")
+    g.add_argument("--max-concurrency", type=int, default=32, help="with --base-url: requests in flight at once")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,12 +170,23 @@ def _instance() -> Any:
     return dg.DagsterInstance.get()
 
 
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time of the record (it may be swapped, as in tests)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def _progress_logging(quiet: bool) -> None:
     progress = logging.getLogger("anex_pipeline.progress")
-    if not any(getattr(h, "anex_progress", False) for h in progress.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _CurrentStderr) for h in progress.handlers):
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("[anex] %(message)s"))
-        handler.anex_progress = True  # type: ignore[attr-defined]
         progress.addHandler(handler)
     progress.setLevel(logging.WARNING if quiet else logging.INFO)
     progress.propagate = False
@@ -178,10 +197,19 @@ def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.runner import JobRunner
 
     _progress_logging(args.quiet)
+    # stdout carries the report alone: vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     storage = StorageResource(work_root=args.work_dir or default_work_root())
-    engine = EngineResource(dtype=args.dtype, max_model_len=args.max_model_len, memory_share=args.memory_share)
+    engine = EngineResource(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        memory_share=args.memory_share,
+        base_url=args.base_url,
+        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        max_concurrency=args.max_concurrency,
+    )
     return JobRunner(_instance(), storage, engine)
 
 

@@ -7,6 +7,7 @@ types (``ChatCompletion``, ``Completion``, ``CreateEmbeddingResponse``) accept t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ from typing import Any
 class Generated:
     """The engine-independent facts of one finished generation."""
 
-    text: str
+    text: str | None  # None: a chat answer with no text besides its tool calls
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
@@ -65,6 +66,13 @@ def text_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]
         "usage": usage(g),
         "system_fingerprint": None,
     }
+
+
+def unit_vector(vector: Iterable[float]) -> list[float]:
+    """The vector scaled to length 1, as every embedding is delivered; a zero vector stays zero."""
+    values = [float(x) for x in vector]
+    norm = sum(x * x for x in values) ** 0.5 or 1.0
+    return [x / norm for x in values]
 
 
 def embedding_response(model: str, vector: list[float], prompt_tokens: int) -> dict[str, Any]:

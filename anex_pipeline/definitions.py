@@ -2,19 +2,50 @@
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
+from dagster_aws.s3 import S3Resource
 
 from anex_pipeline.defs.assets import all_assets
 from anex_pipeline.defs.jobs import all_jobs
 from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.defs.sensors import LocalInboxSettings, S3InboxSettings, all_schedules, all_sensors
 
 
-def build_definitions(storage: StorageResource | None = None, engine: EngineResource | None = None) -> dg.Definitions:
+def build_definitions(
+    storage: StorageResource | None = None,
+    engine: EngineResource | None = None,
+    *,
+    s3_inbox: S3InboxSettings | None = None,
+    local_inbox: LocalInboxSettings | None = None,
+) -> dg.Definitions:
+    """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
+    storage = storage or StorageResource()
     return dg.Definitions(
+        executor=_executor(),
         assets=all_assets,
         jobs=all_jobs,
-        resources={"storage": storage or StorageResource(), "engine": engine or EngineResource()},
+        sensors=all_sensors,
+        schedules=all_schedules,
+        resources={
+            "storage": storage,
+            "engine": engine or EngineResource(),
+            "s3": S3Resource(endpoint_url=storage.s3_endpoint_url, region_name=storage.s3_region),
+            "s3_inbox_settings": s3_inbox or S3InboxSettings(),
+            "local_inbox_settings": local_inbox or LocalInboxSettings(),
+        },
     )
+
+
+def _executor() -> dg.ExecutorDefinition | None:
+    """``ANEX_EXECUTOR=k8s`` runs each step in its own Kubernetes pod (see deploy/README.md);
+    otherwise Dagster's default executor (one process per step)."""
+    if os.environ.get("ANEX_EXECUTOR") != "k8s":
+        return None
+    from dagster_k8s import k8s_job_executor
+
+    return k8s_job_executor
 
 
 defs = build_definitions()

@@ -1,6 +1,7 @@
 """Output-length estimation (SPEC section 8): a seeded sample of the job's rows is generated under
 the same settings as the real run with a generous cap, and the cap in force becomes an upper 95%
-confidence bound on the 95th percentile of the sample's lengths.
+confidence bound on the 95th percentile of the sample's lengths. For a model that thinks, the
+thinking budget is bounded the same way from the sample's thinking-token counts.
 
 Sample answers that finished under the chosen cap are exactly what the real run would produce,
 so the shards reuse them instead of generating those rows again.
@@ -15,8 +16,9 @@ from collections.abc import Callable
 
 from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.formats import InputRow
-from anex_pipeline.jobs import JobDir, append_outcomes, atomic_write_text, read_outcomes
+from anex_pipeline.jobs import JobDir, JobManifest, append_outcomes, atomic_write_text, read_outcomes
 from anex_pipeline.length_bound import upper_bound
+from anex_pipeline.parsing import choose_parsers
 from anex_pipeline.spec import EstimateReport, RowOutcome
 
 GENEROUS_CAP = 1024
@@ -33,7 +35,8 @@ def estimate_lengths(
 ) -> tuple[EstimateReport, dict[str, float]]:
     """Makes (or reuses) the job's estimate; returns it with sample statistics for metadata.
 
-    ``engine_for`` is called only when a sample really has to be generated.
+    A sample is generated when ``max_tokens`` is unset, or when ``reasoning_budget`` is unset
+    for a model that thinks. ``engine_for`` is called only when a sample really has to be made.
     """
     manifest = job.manifest()
     options = manifest.job_options()
@@ -42,24 +45,35 @@ def estimate_lengths(
         return read_estimate(job), stats
     if manifest.endpoint == "embeddings":
         report = EstimateReport(method="not needed: embeddings have no output length")
-    elif options.max_tokens is not None:
-        report = EstimateReport(max_tokens=None, reasoning_budget=options.reasoning_budget, method="set by user")
     else:
-        report, stats = _sample_and_bound(job, engine_for, cap)
+        need_cap = options.max_tokens is None
+        need_budget = options.reasoning_budget is None and _model_thinks(manifest)
+        if need_cap or need_budget:
+            report, stats = _sample_and_bound(job, engine_for, cap if need_cap else None, need_budget)
+        else:
+            report = EstimateReport(method="set by user")
     atomic_write_text(job.estimate_path, report.model_dump_json(indent=2))
     return report, stats
 
 
+def _model_thinks(manifest: JobManifest) -> bool:
+    """Whether the job's model has a reasoning parser, i.e. thinking that a budget can cap."""
+    return choose_parsers(manifest.model, manifest.model_name, manifest.job_options()).reasoning is not None
+
+
 def _sample_and_bound(
-    job: JobDir, engine_for: Callable[[], Engine], cap: int
+    job: JobDir, engine_for: Callable[[], Engine], cap: int | None, need_budget: bool
 ) -> tuple[EstimateReport, dict[str, float]]:
+    """Generates the sample and bounds what is unset: ``max_tokens`` when ``cap`` is given (the
+    sample's generous cap), the thinking budget when ``need_budget``. Whatever the user set is
+    used for the sample as it is, so the sample runs under the real run's settings."""
     manifest = job.manifest()
     options = manifest.job_options()
     candidates = [
         row
         for shard in range(len(manifest.shards))
         for row in job.read_requests(shard)
-        if "max_tokens" not in row.body and "max_completion_tokens" not in row.body
+        if cap is None or ("max_tokens" not in row.body and "max_completion_tokens" not in row.body)
     ]
     if not candidates:
         return EstimateReport(method="not needed: every row sets its own max_tokens"), {}
@@ -67,41 +81,61 @@ def _sample_and_bound(
         candidates, min(options.estimate_sample_size, len(candidates))
     )
     sample.sort(key=lambda r: r.index)
+    sample_cap = cap if cap is not None else options.max_tokens
     requests = [
-        resolve_request(r, manifest.job_id, manifest.endpoint, options, cap, options.reasoning_budget) for r in sample
+        resolve_request(r, manifest.job_id, manifest.endpoint, options, sample_cap, options.reasoning_budget)
+        for r in sample
     ]
     started = time.monotonic()
     outcomes = run_checked(engine_for(), requests)
     seconds = time.monotonic() - started
     append_outcomes(job.sample_path, outcomes)
-    lengths = [o.usage.get("completion_tokens", 0) for o in outcomes if o.ok]
-    stats = {"sample_rows": len(sample), "sample_seconds": round(seconds, 3)}
+    done = [o for o in outcomes if o.ok]
+    stats: dict[str, float] = {"sample_rows": len(sample), "sample_seconds": round(seconds, 3)}
+    report = EstimateReport(sample_size=len(sample))
+    methods = []
+    if cap is None:
+        methods.append("max_tokens: set by user")
+    else:
+        lengths = [o.usage.get("completion_tokens", 0) for o in done]
+        cut = sum(1 for o in done if o.completion_flag == "length")
+        report.max_tokens, method = _bound(lengths, cut, cap, "sample rows succeeded; no cap beyond the context")
+        methods.append(f"max_tokens: {method}")
+        if lengths:
+            stats.update({"sample_max": max(lengths), "sample_median": sorted(lengths)[len(lengths) // 2]})
+            stats["sample_lengths"] = json.dumps(sorted(lengths))  # type: ignore[assignment]
+    if options.reasoning_budget is not None:
+        methods.append("reasoning_budget: set by user")
+    elif need_budget:
+        # A trace cut at the cap has counted nearly the whole cap already: no censoring to undo.
+        thinking = [n for o in done if (n := o.usage.get("reasoning_tokens", 0)) > 0]
+        report.reasoning_budget, method = _bound(thinking, 0, sample_cap, "sample rows thought; no thinking budget")
+        methods.append(f"reasoning_budget: {method}")
+        if thinking:
+            stats.update({"sample_thinking_max": max(thinking), "sample_thinking_rows": len(thinking)})
+    report.method = "; ".join(methods)
+    return report, stats
+
+
+def _bound(lengths: list[int], cut: int, cap: int | None, too_few: str) -> tuple[int | None, str]:
+    """The upper 95% confidence bound on the 95th percentile of ``lengths`` and how it was found.
+
+    ``cut`` answers stopped at the sample's cap, so their true lengths are unknown: then the cap
+    itself is used. With fewer than two lengths there is no bound; ``too_few`` says what that means.
+    """
     if len(lengths) < 2:
-        return (
-            EstimateReport(sample_size=len(sample), method="too few sample rows succeeded; no cap beyond the context"),
-            stats,
-        )
+        return None, f"only {len(lengths)} {too_few}"
+    if cut and cap is not None:
+        return cap, f"{cut} sample answers reached the sample's cap of {cap}; using the cap"
     bound = upper_bound(lengths)
-    hit_cap = sum(1 for o in outcomes if o.completion_flag == "length")
-    value, method = min(bound.value, cap), bound.method
-    if hit_cap:
-        value, method = cap, f"{hit_cap} sample answers reached the estimation cap of {cap}; using the cap"
-    stats.update({"sample_max": max(lengths), "sample_median": sorted(lengths)[len(lengths) // 2]})
-    stats["sample_lengths"] = json.dumps(sorted(lengths))  # type: ignore[assignment]
-    return (
-        EstimateReport(
-            max_tokens=value,
-            reasoning_budget=options.reasoning_budget,
-            sample_size=len(sample),
-            method=f"upper 95% confidence bound on the 95th percentile: {method}",
-        ),
-        stats,
-    )
+    value = bound.value if cap is None else min(bound.value, cap)
+    return value, f"upper 95% confidence bound on the 95th percentile: {bound.method}"
 
 
 def reusable_samples(job: JobDir, estimate: EstimateReport, start: int, stop: int) -> dict[int, RowOutcome]:
-    """Sample answers in rows [start, stop) that finished under the cap now in force."""
-    if estimate.max_tokens is None or not job.sample_path.exists():
+    """Sample answers in rows [start, stop) that the real run would produce unchanged: finished
+    (not cut at the sample's cap) within the cap and under the thinking budget now in force."""
+    if not job.sample_path.exists():
         return {}
     return {
         i: o
@@ -109,5 +143,6 @@ def reusable_samples(job: JobDir, estimate: EstimateReport, start: int, stop: in
         if start <= i < stop
         and o.ok
         and o.completion_flag != "length"
-        and o.usage.get("completion_tokens", 0) <= estimate.max_tokens
+        and (estimate.max_tokens is None or o.usage.get("completion_tokens", 0) <= estimate.max_tokens)
+        and (estimate.reasoning_budget is None or o.usage.get("reasoning_tokens", 0) < estimate.reasoning_budget)
     }

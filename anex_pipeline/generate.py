@@ -8,12 +8,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
+from anex_pipeline import media
 from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.estimate import read_estimate, reusable_samples
 from anex_pipeline.jobs import JobDir, append_outcomes
 from anex_pipeline.spec import RowOutcome
-
-CHUNK_ROWS = 256
 
 Progress = Callable[[int, int], None]
 
@@ -45,7 +44,7 @@ def run_shard(
     shard: int,
     engine_for: Callable[[], Engine],
     *,
-    chunk_rows: int = CHUNK_ROWS,
+    chunk_rows: int | None = None,
     progress: Progress | None = None,
 ) -> ShardSummary:
     """Brings every row of the shard to an outcome; returns what was done."""
@@ -67,15 +66,18 @@ def run_shard(
         summary.reused_from_sample = len(samples)
 
     todo = [row for row in job.read_requests(shard) if row.index not in finished]
+    media_failures = media.recorded_failures(job, shard)
     done = len(finished)
     if progress:
         progress(done, rng.size)
+    chunk_rows = chunk_rows or options.checkpoint_rows
     for start in range(0, len(todo), chunk_rows):
         if job.stop_path.exists():
             raise JobStopped(f"stop requested: {job.stop_path.read_text()}")
         chunk = todo[start : start + chunk_rows]
+        chunk, failed = media.attach_media(chunk, options.media, media_failures)
         requests = [resolve_request(r, manifest.job_id, manifest.endpoint, options, max_tokens, budget) for r in chunk]
-        outcomes = run_checked(engine_for(), requests)
+        outcomes = (run_checked(engine_for(), requests) if requests else []) + failed
         append_outcomes(job.checkpoint_path(shard), outcomes)
         summary.generated += len(outcomes)
         done += len(outcomes)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel
 
 from anex_pipeline.formats import FileFormat, InputRow, jsonl, parquet, sniff_format
@@ -135,7 +136,7 @@ class JobDir:
     def read_requests(self, shard: int) -> Iterator[InputRow]:
         with self.requests_path(shard).open(encoding="utf-8") as f:
             for line in f:
-                rec = json.loads(line)
+                rec = msgspec.json.decode(line)
                 yield InputRow(index=rec["i"], key=rec["key"], body=rec["body"])
 
     def read_checkpoint(self, shard: int) -> dict[int, RowOutcome]:
@@ -144,6 +145,15 @@ class JobDir:
 
     def record_stop(self, reason: str) -> None:
         atomic_write_text(self.stop_path, json.dumps({"reason": reason, "at": time.time()}))
+
+
+def unfinished_shards(job: JobDir) -> list[int]:
+    """Shards with rows that are missing from their checkpoint or failed."""
+    return [
+        shard
+        for shard, rng in enumerate(job.manifest().shards)
+        if sum(1 for o in job.read_checkpoint(shard).values() if o.ok) < rng.size
+    ]
 
 
 def read_outcomes(path: Path) -> dict[int, RowOutcome]:
@@ -155,8 +165,8 @@ def read_outcomes(path: Path) -> dict[int, RowOutcome]:
             if not line.endswith("\n"):
                 break
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = msgspec.json.decode(line)
+            except msgspec.DecodeError:
                 break
             found[rec["i"]] = RowOutcome.from_record(rec)
     return found
@@ -165,8 +175,8 @@ def read_outcomes(path: Path) -> dict[int, RowOutcome]:
 def append_outcomes(path: Path, outcomes: Iterable[RowOutcome]) -> None:
     """Appends finished rows to a checkpoint file and makes them durable before returning."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(o.to_record(), ensure_ascii=False, separators=(",", ":")) + "\n" for o in outcomes)
-    with path.open("a", encoding="utf-8") as f:
+    data = b"".join(msgspec.json.encode(o.to_record()) + b"\n" for o in outcomes)
+    with path.open("ab") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -246,7 +256,7 @@ def prepare_job(
                 continue
             total += 1
             if problem_count == 0:
-                out.write(json.dumps({"i": item.index, "key": item.key, "body": item.body}, ensure_ascii=False))
+                out.write(msgspec.json.encode({"i": item.index, "key": item.key, "body": item.body}).decode("utf-8"))
                 out.write("\n")
     if problem_count:
         staging.unlink()

@@ -1,45 +1,641 @@
-"""Media that rows reference by URL (SPEC section 7).
+"""Media that rows reference by URL (SPEC section 7): found, downloaded once, handed over as data.
 
-This stage currently finds and counts the media references of a shard; downloading them into
-the media cache is the next step of the media work (issue 4). Rows pass through unchanged, and
-a text-only engine refuses a row with media on its own with a 400.
+The ``fetched_media`` stage (:func:`fetch_shard`) downloads every http(s) URL of a shard into a
+disk cache keyed by URL that outlives the job, and records the rows whose media could not be
+fetched. Generation then calls :func:`attach_media`, which fails those rows with
+``media_fetch_error`` before they reach the engine and swaps every other row's URLs for
+``data:`` URLs made from the cached bytes, so the engine never opens a connection.
+
+Downloads are guarded. Only http and https are fetched. Every TCP connection, including each hop
+of a redirect (redirects are followed here, one checked hop at a time), goes to an address that
+was resolved and checked in the same step, so a host that resolves to a loopback, private,
+link-local or cloud-metadata address is refused before a byte is sent to it, unless the job's
+``media.allowed_hosts`` names it (``host`` for every port, ``host:port`` for one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import base64
+import email.utils
+import ipaddress
+import mimetypes
+import os
+import random
+import re
+import socket
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
-from anex_pipeline.jobs import JobDir
-from anex_pipeline.spec import MediaOptions
+import diskcache
+import httpcore
+import httpx
 
-MEDIA_KEYS = {"image_url": "url", "audio_url": "url", "video_url": "url", "input_audio": "data"}
+from anex_pipeline.formats import InputRow
+from anex_pipeline.jobs import JobDir, append_outcomes, read_outcomes
+from anex_pipeline.models import cache_root
+from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
+
+# Content part type -> (key of the reference inside the part's object, the kind of media it holds).
+MEDIA_PARTS = {
+    "image_url": ("url", "image"),
+    "audio_url": ("url", "audio"),
+    "video_url": ("url", "video"),
+    "input_audio": ("data", "audio"),
+}
+TOTAL_CONNECTIONS = 16  # downloads in flight at once, over all hosts
+MAX_REDIRECTS = 5
+RETRY_AFTER_LIMIT_S = 60.0  # a server that asks for a longer wait fails the URL at once
+BACKOFF_BASE_S = 0.5  # first wait after a 429/5xx without Retry-After; doubles per retry
+BACKOFF_CAP_S = 30.0
+CACHE_SIZE_LIMIT = 20 * 2**30  # the disk cache evicts the least recently stored media beyond this
+REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+CLAIM_POLL_S = 0.05
+# Metadata services. Most live on link-local or private addresses, refused anyway; the Azure one
+# (168.63.129.16) is a public address, so the list is checked on its own.
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192")
+)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
-def media_references(body: dict[str, Any]) -> Iterator[str]:
-    """Every media URL (http(s) or data:) in a chat body's content parts."""
-    for message in body.get("messages") or []:
+def media_cache_dir() -> Path:
+    """Where downloaded media are kept: ``$ANEX_MEDIA_CACHE_DIR``, else ``<cache_root>/media``."""
+    configured = os.environ.get("ANEX_MEDIA_CACHE_DIR")
+    return Path(configured).expanduser() if configured else cache_root() / "media"
+
+
+def media_failures_path(job: JobDir, shard: int) -> Path:
+    return job.shard_dir(shard) / "media.jsonl"
+
+
+# -- finding references ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One content part that holds media: where it is in the messages, and its URL."""
+
+    message: int
+    part: int
+    type: str  # the content part type, a key of MEDIA_PARTS
+    url: str
+
+    @property
+    def kind(self) -> str:
+        return MEDIA_PARTS[self.type][1]
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.message}].content[{self.part}]"
+
+    @property
+    def remote(self) -> bool:
+        """Anything but an inline data: URL has to be fetched (or is refused)."""
+        return not self.url.startswith("data:")
+
+
+def media_references(body: dict[str, Any]) -> list[MediaRef]:
+    """Every media reference in a chat body's content parts.
+
+    ``input_audio`` parts normally carry raw base64 (no reference); they count when their
+    ``data`` is a URL.
+    """
+    refs = []
+    for m, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
-        for part in content:
-            ref = part.get(part.get("type", ""), None) if isinstance(part, dict) else None
-            if isinstance(ref, dict):
-                value = ref.get(MEDIA_KEYS.get(part["type"], "url"))
-                if isinstance(value, str):
-                    yield value
-            elif isinstance(ref, str):
-                yield ref
+        for p, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in MEDIA_PARTS:
+                continue
+            value = part.get(kind)
+            if isinstance(value, dict):
+                value = value.get(MEDIA_PARTS[kind][0])
+            if isinstance(value, str) and (kind != "input_audio" or _SCHEME.match(value)):
+                refs.append(MediaRef(m, p, kind, value))
+    return refs
 
 
-def fetch_shard(job: JobDir, shard: int, options: MediaOptions) -> dict[str, int]:
-    """Counts the shard's media references (downloads come with the media stage proper)."""
-    rows = urls = inline = 0
+# -- where connections may go ---------------------------------------------------------------------
+
+
+def address_problem(address: str) -> str | None:
+    """Why connecting to this IP address is refused by default; None for a public address."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and ip in _NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            return address_problem(str(embedded))
+    if ip in METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_unspecified:
+        return "the unspecified address, which reaches this machine"
+    if ip.is_link_local:
+        return "a link-local address"
+    if ip.is_private:
+        return "a private address"
+    if not ip.is_global or ip.is_multicast:
+        return "not a public unicast address"
+    return None
+
+
+def allowed_endpoints(entries: Iterable[str]) -> frozenset[tuple[str, int | None]]:
+    """``allowed_hosts`` entries as (host, port) pairs; port None opens every port of the host."""
+    found = set()
+    for entry in entries:
+        entry = entry.strip().lower()
+        host, port = entry, ""
+        if entry.startswith("["):  # [v6 address] or [v6 address]:port
+            host, _, rest = entry[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")
+        found.add((host, int(port)) if port.isdigit() else (host, None))
+    return frozenset(found)
+
+
+class _Refused(Exception):
+    """A connection the address policy does not allow; nothing was sent."""
+
+
+class _GuardedBackend(httpcore.SyncBackend):
+    """Opens TCP connections only to hosts on the allow-list or to addresses that pass the policy.
+
+    The host is resolved here and the connection goes to the very address that was checked, so a
+    name cannot resolve to a public address for the check and a private one for the connection.
+    """
+
+    def __init__(self, allowed: frozenset[tuple[str, int | None]]):
+        self.allowed = allowed
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        if (host.lower(), port) in self.allowed or (host.lower(), None) in self.allowed:
+            return super().connect_tcp(host, port, timeout, local_address, socket_options)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise httpcore.ConnectError(f"the host name {host} does not resolve ({exc.strerror})") from None
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        for address in addresses:
+            problem = address_problem(address)
+            if problem:
+                where = f"{host} is {problem}" if address == host else f"{host} resolves to {address}, {problem}"
+                raise _Refused(
+                    f"{where}; loopback, private, link-local and cloud-metadata hosts are refused unless the "
+                    "job's media.allowed_hosts names them"
+                )
+        failure: httpcore.ConnectError | None = None
+        for address in addresses:
+            try:
+                return super().connect_tcp(address, port, timeout, local_address, socket_options)
+            except httpcore.ConnectError as exc:
+                failure = exc
+        raise failure or httpcore.ConnectError(f"{host} has no address")
+
+
+def _client(options: MediaOptions) -> httpx.Client:
+    transport = httpx.HTTPTransport(trust_env=False)
+    # httpx has no public setting for the network backend, so the pool it wraps is rebuilt on ours.
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=httpx.create_ssl_context(),
+        max_connections=TOTAL_CONNECTIONS,
+        max_keepalive_connections=TOTAL_CONNECTIONS,
+        network_backend=_GuardedBackend(allowed_endpoints(options.allowed_hosts)),
+    )
+    return httpx.Client(
+        transport=transport,
+        timeout=options.timeout_s,
+        follow_redirects=False,
+        trust_env=False,  # a proxy from the environment would connect on our behalf, unchecked
+        headers={"User-Agent": "anex-pipeline media fetcher"},
+    )
+
+
+# -- downloading ----------------------------------------------------------------------------------
+
+
+class MediaFetchError(Exception):
+    """Media that could not be fetched; ``status`` is the remote HTTP status when there was one."""
+
+    def __init__(self, url: str, reason: str, status: int | None = None, hop: str | None = None):
+        via = f"after a redirect to {hop}, " if hop and hop != url else ""
+        super().__init__(f"media {url} could not be fetched: {via}{reason}")
+        self.url = url
+        self.status = status
+
+
+class _Retry(Exception):
+    def __init__(self, status: int, retry_after: str | None):
+        self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Cached:
+    """Media in the cache: its type and size in bytes."""
+
+    mime: str
+    size: int
+
+
+@dataclass
+class FetchStats:
+    fetched: int = 0
+    from_cache: int = 0
+    bytes_downloaded: int = 0
+
+
+class MediaFetcher:
+    """Brings media URLs into the disk cache, each once however many threads ask for it at once.
+
+    A URL is looked up or downloaded once per fetcher (failures included); across fetchers and
+    processes on the machine, a claim in the cache makes one download while the others wait for it.
+    """
+
+    def __init__(self, options: MediaOptions, cache_dir: Path | None = None):
+        self.options = options
+        self.cache = diskcache.Cache(str(cache_dir or media_cache_dir()), size_limit=CACHE_SIZE_LIMIT)
+        self.client = _client(options)
+        self.stats = FetchStats()
+        self._lock = threading.Lock()
+        self._results: dict[str, Future[Cached]] = {}
+        self._encoded: dict[str, str] = {}
+        self._hosts: dict[tuple[str, str, int | None], threading.BoundedSemaphore] = {}
+        # How long a claim holds when its process died mid-download: one URL's worst case.
+        self._claim_s = (options.timeout_s + RETRY_AFTER_LIMIT_S) * (options.max_retries + 1 + MAX_REDIRECTS)
+
+    def __enter__(self) -> MediaFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.cache.close()
+
+    def fetch(self, url: str) -> Cached:
+        """The cached media for ``url``, downloaded first when needed; raises MediaFetchError."""
+        with self._lock:
+            future = self._results.get(url)
+            owner = future is None
+            if future is None:
+                future = self._results[url] = Future()
+        if owner:
+            try:
+                future.set_result(self._cached_or_download(url))
+            except BaseException as exc:
+                future.set_exception(exc)
+        return future.result()
+
+    def checked(self, ref: MediaRef) -> Cached:
+        """The media of a remote reference, which must be of the kind its content part needs."""
+        cached = self.fetch(ref.url)
+        if cached.mime.split("/")[0] != ref.kind:
+            raise MediaFetchError(ref.url, f"it is {cached.mime}, not the {ref.kind} its {ref.type} part needs")
+        return cached
+
+    def inline_value(self, ref: MediaRef) -> Any:
+        """What replaces the reference in its part: a data: URL, or input_audio's data and format;
+        None when the reference is already inline and needs no change."""
+        if not ref.remote:
+            header, _, payload = ref.url.partition(",")
+            if ref.type != "input_audio" or not header.endswith(";base64"):
+                return None
+            return {"data": payload, "format": _audio_format(header[5:].split(";")[0])}
+        cached = self.checked(ref)
+        encoded = self._encoded.get(ref.url)
+        if encoded is None:
+            encoded = self._encoded[ref.url] = base64.b64encode(self._read(ref.url)).decode("ascii")
+        if ref.type == "input_audio":
+            return {"data": encoded, "format": _audio_format(cached.mime)}
+        return f"data:{cached.mime};base64,{encoded}"
+
+    def _read(self, url: str) -> bytes:
+        handle, _ = self.cache.get(url, read=True, tag=True)
+        if handle is None:  # evicted since it was fetched
+            self._cached_or_download(url)
+            handle, _ = self.cache.get(url, read=True, tag=True)
+        with handle:
+            return handle.read()
+
+    def _lookup(self, url: str) -> Cached | None:
+        handle, mime = self.cache.get(url, read=True, tag=True)
+        if handle is None:
+            return None
+        with handle:
+            return Cached(mime, handle.seek(0, os.SEEK_END))
+
+    def _from_cache(self, url: str) -> Cached | None:
+        found = self._lookup(url)
+        if found is not None:
+            with self._lock:
+                self.stats.from_cache += 1
+        return found
+
+    def _cached_or_download(self, url: str) -> Cached:
+        _check_scheme(url, url)
+        found = self._from_cache(url)
+        claim = ("downloading", url)
+        while found is None and not self.cache.add(claim, os.getpid(), expire=self._claim_s):
+            time.sleep(CLAIM_POLL_S)  # another fetcher is downloading it
+            found = self._from_cache(url)
+        if found is not None:
+            return found
+        try:
+            return self._from_cache(url) or self._download(url)
+        finally:
+            self.cache.delete(claim)
+
+    def _download(self, url: str) -> Cached:
+        hop = url
+        for _ in range(MAX_REDIRECTS + 1):
+            _check_scheme(url, hop)
+            try:
+                result = self._attempts(url, hop)
+            except _Refused as exc:
+                raise MediaFetchError(url, str(exc), hop=hop) from None
+            if isinstance(result, Cached):
+                return result
+            hop = result
+        raise MediaFetchError(url, f"it redirected more than {MAX_REDIRECTS} times")
+
+    def _attempts(self, url: str, hop: str) -> Cached | str:
+        """Requests one hop, retrying 429 and 5xx; returns the media, or the next hop's URL."""
+        retries = self.options.max_retries
+        for attempt in range(retries + 1):
+            try:
+                with self._host_slot(hop):
+                    return self._request(url, hop)
+            except _Retry as retry:
+                wait = _retry_wait(retry.retry_after, attempt)
+                if attempt == retries:
+                    raise MediaFetchError(
+                        url,
+                        f"the server answered {retry.status} {_phrase(retry.status)} to all "
+                        f"{retries + 1} attempts (media.max_retries is {retries})",
+                        retry.status,
+                        hop,
+                    ) from None
+                if wait > RETRY_AFTER_LIMIT_S:
+                    raise MediaFetchError(
+                        url,
+                        f"the server answered {retry.status} {_phrase(retry.status)} and asked to retry after "
+                        f"{wait:.0f} s, longer than the {RETRY_AFTER_LIMIT_S:.0f} s this stage waits",
+                        retry.status,
+                        hop,
+                    ) from None
+                time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    @contextmanager
+    def _host_slot(self, url: str) -> Iterator[None]:
+        parts = urlsplit(url)
+        key = (parts.scheme, parts.hostname or "", parts.port)
+        with self._lock:
+            slot = self._hosts.setdefault(key, threading.BoundedSemaphore(self.options.per_host_connections))
+        with slot:
+            yield
+
+    def _request(self, url: str, hop: str) -> Cached | str:
+        started = time.monotonic()
+        try:
+            with self.client.stream("GET", hop) as response:
+                status = response.status_code
+                if status in REDIRECT_CODES and "location" in response.headers:
+                    return urljoin(hop, response.headers["location"])
+                if status == 429 or status >= 500:
+                    raise _Retry(status, response.headers.get("retry-after"))
+                if not response.is_success:
+                    raise MediaFetchError(url, f"the server answered {status} {_phrase(status)}", status, hop)
+                return self._store(url, hop, response, started)
+        except httpx.TimeoutException:
+            raise MediaFetchError(url, f"no answer within timeout_s={self.options.timeout_s:g} s", hop=hop) from None
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise MediaFetchError(url, f"the transfer failed: {exc}", hop=hop) from None
+
+    def _store(self, url: str, hop: str, response: httpx.Response, started: float) -> Cached:
+        """Streams the body into the cache, stopping as soon as it breaks the size or time limit."""
+        limit, timeout = self.options.max_bytes, self.options.timeout_s
+        mime = _media_type(response.headers.get("content-type"), hop)
+        if mime is None:
+            stated = response.headers.get("content-type") or "of no stated type"
+            raise MediaFetchError(url, f"it is {stated}, not an image, audio or video file", hop=hop)
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise MediaFetchError(url, f"it is {declared} bytes, more than media.max_bytes={limit}", hop=hop)
+        size = 0
+        with tempfile.TemporaryFile(dir=self.cache.directory) as spool:
+            for chunk in response.iter_bytes():  # as they arrive: a chunk size would wait to fill it
+                size += len(chunk)
+                if size > limit:
+                    raise MediaFetchError(url, f"it is larger than media.max_bytes={limit}; stopped reading", hop=hop)
+                if time.monotonic() - started > timeout:
+                    raise MediaFetchError(url, f"it did not arrive within timeout_s={timeout:g} s", hop=hop)
+                spool.write(chunk)
+            spool.seek(0)
+            self.cache.set(url, spool, read=True, tag=mime)
+        with self._lock:
+            self.stats.fetched += 1
+            self.stats.bytes_downloaded += size
+        return Cached(mime, size)
+
+
+def _check_scheme(url: str, hop: str) -> None:
+    parts = urlsplit(hop)
+    if parts.scheme.lower() not in ("http", "https"):
+        scheme = f"{parts.scheme}: URLs" if parts.scheme else "a URL without a scheme"
+        raise MediaFetchError(url, f"only http and https URLs are fetched, not {scheme}", hop=hop)
+    if not parts.hostname:
+        raise MediaFetchError(url, "the URL names no host", hop=hop)
+
+
+def _media_type(content_type: str | None, url: str) -> str | None:
+    """The media type of a body, guessed from the URL when the server gives none; None if not media."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    if mime in ("", "application/octet-stream", "binary/octet-stream"):
+        mime = mimetypes.guess_type(urlsplit(url).path)[0] or ""
+    return mime if mime.split("/")[0] in ("image", "audio", "video") else None
+
+
+def _audio_format(mime: str) -> str:
+    """input_audio's format from a media type: audio/x-wav -> wav, audio/mpeg -> mpeg."""
+    return mime.split("/")[-1].removeprefix("x-")
+
+
+def _phrase(status: int) -> str:
+    try:
+        return httpx.codes(status).phrase
+    except ValueError:
+        return ""
+
+
+def _retry_wait(retry_after: str | None, attempt: int) -> float:
+    """Seconds to wait: the server's Retry-After (seconds or an HTTP date), else jittered backoff."""
+    if retry_after:
+        try:
+            return max(0.0, float(retry_after))
+        except ValueError:
+            pass
+        try:
+            return max(0.0, email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time())
+        except (TypeError, ValueError):
+            pass
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+# -- the stage, and what generation uses ----------------------------------------------------------
+
+
+def media_failure(row: InputRow, ref: MediaRef, error: MediaFetchError) -> RowOutcome:
+    """A row that fails because one of its media could not be fetched."""
+    return RowOutcome(
+        index=row.index,
+        key=row.key,
+        status_code=error.status,
+        error=RowError(message=str(error), type="media_fetch_error", code=error.status, param=ref.param),
+    )
+
+
+def _first_failure(fetcher: MediaFetcher, row: InputRow, refs: Sequence[MediaRef]) -> RowOutcome | None:
+    for ref in refs:
+        if ref.remote:
+            try:
+                fetcher.checked(ref)
+            except MediaFetchError as exc:
+                return media_failure(row, ref, exc)
+    return None
+
+
+def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Downloads the media of the shard's unfinished rows and records the rows whose media failed.
+
+    Returns the materialization metadata: URLs seen, fetched, served from cache, failed by code,
+    and bytes.
+    """
+    started = time.monotonic()
+    finished = {i for i, o in job.read_checkpoint(shard).items() if o.ok}
+    rows: list[tuple[InputRow, list[MediaRef]]] = []
+    total = inline = 0
     for row in job.read_requests(shard):
-        rows += 1
-        for ref in media_references(row.body):
-            if ref.startswith("data:"):
-                inline += 1
+        total += 1
+        refs = media_references(row.body) if row.index not in finished else []
+        inline += sum(1 for ref in refs if not ref.remote)
+        if refs:
+            rows.append((row, refs))
+    urls = list(dict.fromkeys(ref.url for _, refs in rows for ref in refs if ref.remote))
+    failures: list[RowOutcome] = []
+    codes: Counter[str] = Counter()
+    stats = FetchStats()
+    media_bytes = 0
+    if urls:
+        with MediaFetcher(options, cache_dir) as fetcher, ThreadPoolExecutor(TOTAL_CONNECTIONS) as pool:
+            for future in [pool.submit(fetcher.fetch, url) for url in urls]:
+                error = future.exception()
+                if isinstance(error, MediaFetchError):
+                    codes[str(error.status or "none")] += 1
+                elif error is not None:
+                    raise error
+                else:
+                    media_bytes += future.result().size
+            failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
+            stats = fetcher.stats
+    path = media_failures_path(job, shard)
+    path.unlink(missing_ok=True)
+    append_outcomes(path, failures)
+    return {
+        "rows": total,
+        "rows_with_media": len(rows),
+        "inline_media": inline,
+        "urls_seen": len(urls),
+        "fetched": stats.fetched,
+        "from_cache": stats.from_cache,
+        "failed_urls": sum(codes.values()),
+        "failed_by_code": dict(codes),
+        "rows_failed": len(failures),
+        "bytes": media_bytes,
+        "bytes_downloaded": stats.bytes_downloaded,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def recorded_failures(job: JobDir, shard: int) -> dict[int, RowOutcome]:
+    """The rows the media stage failed for this shard, by row index."""
+    return read_outcomes(media_failures_path(job, shard))
+
+
+def attach_media(
+    rows: Sequence[InputRow],
+    options: MediaOptions,
+    recorded: dict[int, RowOutcome] | None = None,
+    cache_dir: Path | None = None,
+) -> tuple[list[InputRow], list[RowOutcome]]:
+    """Splits rows into those ready for the engine, their media now inline as data, and failures.
+
+    ``recorded`` are the media stage's failures; media that stage did not leave in the cache are
+    fetched here, so rows can also be prepared without it.
+    """
+    recorded = recorded or {}
+    ready: list[InputRow] = []
+    failed: list[RowOutcome] = []
+    with ExitStack() as stack:
+        fetcher: MediaFetcher | None = None
+        for row in rows:
+            if row.index in recorded:
+                failed.append(recorded[row.index])
+                continue
+            refs = media_references(row.body)
+            if not refs:
+                ready.append(row)
+                continue
+            fetcher = fetcher or stack.enter_context(MediaFetcher(options, cache_dir))
+            values = {}
+            for ref in refs:
+                try:
+                    values[ref] = fetcher.inline_value(ref)
+                except MediaFetchError as exc:
+                    failed.append(media_failure(row, ref, exc))
+                    break
             else:
-                urls += 1
-    return {"rows": rows, "urls_seen": urls, "inline_media": inline}
+                ready.append(InputRow(row.index, row.key, _with_values(row.body, values)))
+    return ready, failed
+
+
+def _with_values(body: dict[str, Any], values: dict[MediaRef, Any]) -> dict[str, Any]:
+    """A copy of the body with each reference's part given its new value (the input is not changed)."""
+    messages = list(body["messages"])
+    for ref, value in values.items():
+        if value is None:
+            continue
+        message = dict(messages[ref.message])
+        content = list(message["content"])
+        part = dict(content[ref.part])
+        inner = part[ref.type]
+        if ref.type == "input_audio":
+            part[ref.type] = {**inner, **value}
+        else:
+            part[ref.type] = {**inner, "url": value} if isinstance(inner, dict) else {"url": value}
+        content[ref.part] = part
+        message["content"] = content
+        messages[ref.message] = message
+    return {**body, "messages": messages}

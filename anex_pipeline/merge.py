@@ -28,26 +28,35 @@ def read_timings(job: JobDir) -> dict[str, float]:
 
 
 class _Tally:
+    """Counts rows and tokens as the merge streams past them (plain counters: this is a hot loop)."""
+
+    USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
+
     def __init__(self) -> None:
-        self.counts = RequestCounts()
-        self.usage = Usage()
+        self.rows: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
 
     def add(self, o: RowOutcome) -> RowOutcome:
-        if o.ok:
-            self.counts.completed += 1
-            self.counts.format_error_rows += int(o.format_error)
+        if o.error is None:
+            self.rows["completed"] += 1
+            self.rows["format_error_rows"] += o.format_error
         else:
-            self.counts.failed += 1
-            assert o.error is not None
+            self.rows["failed"] += 1
             self.errors[o.error.type] += 1
         if o.completion_flag:
             self.errors[o.completion_flag] += 1
-        self.usage.prompt_tokens += o.usage.get("prompt_tokens", 0)
-        self.usage.completion_tokens += o.usage.get("completion_tokens", 0)
-        self.usage.reasoning_tokens += o.usage.get("reasoning_tokens", 0)
-        self.usage.cached_prompt_tokens += o.usage.get("cached_prompt_tokens", 0)
+        for key in self.USAGE_KEYS:
+            self.tokens[key] += o.usage.get(key, 0)
         return o
+
+    @property
+    def counts(self) -> RequestCounts:
+        return RequestCounts(**self.rows)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(**self.tokens)
 
 
 def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[RowOutcome]:
@@ -85,6 +94,7 @@ def merge_job(job: JobDir) -> JobReport:
 def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport:
     counts = tally.counts
     counts.total = manifest.total_rows
+    usage = tally.usage
     delivered = counts.completed + counts.failed
     status: JobStatus = "completed"
     reason = None
@@ -97,7 +107,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
     busy = timings.get("generate", 0.0) + timings.get("estimate", 0.0)
     throughput = Throughput(
         rows_per_s=round(delivered / busy, 3) if busy else 0.0,
-        output_tokens_per_s=round(tally.usage.completion_tokens / busy, 3) if busy else 0.0,
+        output_tokens_per_s=round(usage.completion_tokens / busy, 3) if busy else 0.0,
     )
     return JobReport(
         job_id=manifest.job_id,
@@ -109,11 +119,11 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         endpoint=manifest.endpoint,
         request_counts=counts,
         error_counts=dict(tally.errors),
-        usage=tally.usage,
+        usage=usage,
         estimate=read_estimate(job),
         timings=timings,
         throughput=throughput,
-        cost=_cost(manifest, tally.usage),
+        cost=_cost(manifest, usage),
     )
 
 

@@ -18,7 +18,7 @@ from anex_pipeline.definitions import build_definitions
 from anex_pipeline.defs.partitions import JOBS, job_shard_key
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine import release_engines
-from anex_pipeline.jobs import JobDir, prepare_job
+from anex_pipeline.jobs import JobDir, prepare_job, unfinished_shards
 from anex_pipeline.spec import JobReport
 from anex_pipeline.validate import parse_options
 
@@ -78,12 +78,7 @@ class JobRunner:
 
     def unfinished_shards(self, job: JobDir) -> list[int]:
         """Shards with rows that are missing from their checkpoint or failed."""
-        manifest = job.manifest()
-        return [
-            shard
-            for shard, rng in enumerate(manifest.shards)
-            if sum(1 for o in job.read_checkpoint(shard).values() if o.ok) < rng.size
-        ]
+        return unfinished_shards(job)
 
     def close(self) -> None:
         release_engines()

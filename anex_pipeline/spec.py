@@ -73,6 +73,7 @@ class JobOptions(_Strict):
     system_prompt: str | None = None
     estimate_sample_size: int = Field(default=100, ge=4, le=4096)
     estimate_seed: int = 0
+    checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
     prices: Prices | None = None
 
     def sampling_defaults(self) -> dict[str, Any]:

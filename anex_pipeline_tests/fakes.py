@@ -2,8 +2,9 @@
 
 It answers every chat row with a fixed transformation of the last user message, counts words as
 tokens, honours max_tokens (finish_reason "length"), answers constrained rows with JSON, and
-refuses prompts over its context the way the real engine does. The real vLLM engine is exercised
-by the tests marked ``engine``.
+refuses prompts over its context the way the real engine does. It refuses media that reach it as
+a URL instead of as data, which the media stage must never let happen. The real vLLM engine is
+exercised by the tests marked ``engine``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from anex_pipeline.completions import Generated, body_for, embedding_response
 from anex_pipeline.defs.resources import EngineResource
 from anex_pipeline.engine.base import Engine, EngineRequest, rejected
 from anex_pipeline.jobs import JobManifest
+from anex_pipeline.media import media_references
 from anex_pipeline.spec import RowOutcome
 
 
@@ -37,6 +39,8 @@ class FakeEngine:
             norm = sum(x * x for x in vec) ** 0.5
             body = embedding_response(self.model_name, [x / norm for x in vec], len(text.split()))
             return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": len(text.split())})
+        if req.endpoint == "chat" and (urls := [r.url for r in media_references(req.body) if r.remote]):
+            return rejected(req, f"the engine was handed a media URL instead of data: {urls[0]}", "messages")
         prompt = req.body["prompt"] if req.endpoint == "completions" else json.dumps(req.body["messages"])
         words = prompt.split()
         if len(words) > self.context_words:

@@ -135,7 +135,7 @@ def length_estimate(
     group_name=GROUP,
     kinds={"vllm"},
     pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=1, backoff=dg.Backoff.EXPONENTIAL),
     description="Generates every row of the shard, resuming from its checkpoint.",
 )
 def generations(

@@ -9,7 +9,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineSettings, load_engine, release_engines
+from anex_pipeline.engine import Engine, EngineSettings, HttpSettings, load_engine, release_engines
 from anex_pipeline.jobs import JobDir, JobManifest
 from anex_pipeline.models import cache_root, local_model_path
 
@@ -35,7 +35,8 @@ class StorageResource(dg.ConfigurableResource):
 
 
 class EngineResource(dg.ConfigurableResource):
-    """The in-process vLLM engine; the model comes from each job, loaded once per process."""
+    """The in-process vLLM engine (the model comes from each job, loaded once per process), or,
+    with ``base_url`` set, an OpenAI-compatible server such as ``vllm serve``."""
 
     dtype: str = Field(default="auto", description="Weights dtype; on a CPU 'auto' means float32.")
     max_model_len: int = Field(default=4096, description="Context length the engine reserves for.")
@@ -47,21 +48,49 @@ class EngineResource(dg.ConfigurableResource):
     keep_loaded: bool = Field(
         default=False, description="Keep the engine loaded after the run (the CLI shares it across runs)."
     )
+    base_url: str | None = Field(
+        default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
+        description="OpenAI-compatible server to send rows to, e.g. http://gpu-1:8000; unset = vLLM in this process.",
+    )
+    api_key: str | None = Field(
+        default=None, description="Bearer token for base_url (give it as an EnvVar to keep it out of run config)."
+    )
+    max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per process.")
+    timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
 
     def settings_for(self, manifest: JobManifest) -> EngineSettings:
+        from anex_pipeline.parsing import ParserNames, choose_parsers
+
+        model = str(local_model_path(manifest.model))
+        embeddings = manifest.endpoint == "embeddings"
+        # The model family's reasoning and tool parsers, or the ones the job names.
+        parsers = ParserNames() if embeddings else choose_parsers(model, manifest.model_name, manifest.job_options())
         return EngineSettings(
-            model=str(local_model_path(manifest.model)),
+            model=model,
             model_name=manifest.model_name,
-            runner="pooling" if manifest.endpoint == "embeddings" else "generate",
+            runner="pooling" if embeddings else "generate",
             dtype=self.dtype,
             # Embedding models have short fixed contexts (256 for MiniLM): use the model's own.
-            max_model_len=None if manifest.endpoint == "embeddings" else self.max_model_len,
+            max_model_len=None if embeddings else self.max_model_len,
             memory_share=self.memory_share,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=self.max_num_seqs,
+            reasoning_parser=parsers.reasoning,
+            tool_parser=parsers.tool,
         )
 
     def engine_for(self, manifest: JobManifest) -> Engine:
+        if self.base_url:
+            return load_engine(
+                HttpSettings(
+                    base_url=self.base_url,
+                    model_name=manifest.model_name,
+                    model_named="model" in manifest.options,
+                    api_key=self.api_key,
+                    max_concurrency=self.max_concurrency,
+                    timeout_s=self.timeout_s,
+                )
+            )
         return load_engine(self.settings_for(manifest))
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

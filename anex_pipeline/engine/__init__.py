@@ -7,20 +7,33 @@ import threading
 import time
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
+from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.vllm_local import EngineSettings
 
-__all__ = ["Engine", "EngineRequest", "EngineSettings", "load_engine", "release_engines", "resolve_request"]
+__all__ = [
+    "Engine",
+    "EngineRequest",
+    "EngineSettings",
+    "HttpSettings",
+    "load_engine",
+    "release_engines",
+    "resolve_request",
+]
 
 progress = logging.getLogger("anex_pipeline.progress")
 _lock = threading.Lock()
-_loaded: dict[EngineSettings, Engine] = {}
+_loaded: dict[EngineSettings | HttpSettings, Engine] = {}
 
 
-def load_engine(settings: EngineSettings) -> Engine:
+def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
-    first so two models never hold memory at once."""
+    first so two models never hold memory at once. An HTTP engine is only a client of its server."""
     with _lock:
         if settings in _loaded:
+            return _loaded[settings]
+        if isinstance(settings, HttpSettings):
+            progress.info("sending rows to the model server at %s", settings.base_url)
+            _loaded[settings] = OpenAIHttpEngine(settings)
             return _loaded[settings]
         for other in list(_loaded):
             _shutdown(_loaded.pop(other))

@@ -60,6 +60,9 @@ class EngineRequest:
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_budget: int | None = None  # None: no cap
+    # Split thinking / tool calls out of chat answers, where the model has a parser for them.
+    parse_thinking: bool = True
+    parse_tool_calls: bool = True
 
     @property
     def constrained(self) -> bool:
@@ -111,6 +114,8 @@ def resolve_request(
         response_format=response_format if endpoint != "embeddings" else None,
         chat_template_kwargs=kwargs,
         reasoning_budget=reasoning_budget or None,
+        parse_thinking=options.parse_thinking is not False,
+        parse_tool_calls=options.parse_tool_calls is not False,
     )
 
 

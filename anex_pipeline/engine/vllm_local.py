@@ -4,6 +4,17 @@ vLLM is imported when an engine is built, never at module import, so that loadin
 code location stays fast. Every prompt is rendered and tokenised here (not inside ``LLM.chat``)
 so that each row keeps its own chat-template arguments, its own sampling parameters, and so a row
 that cannot run is refused on its own with a 400 instead of failing the batch.
+
+For a model with a reasoning parser the engine is built with vLLM's thinking-token budget
+(``ReasoningConfig``), which forces the end tag into a trace that reaches its row's budget. The
+notice that says so is not part of the forced text: vLLM 0.32's CPU sampler recognises the end of
+a trace only by the whole forced text, so with a notice in it a trace that ends on its own (or a
+prompt that switched thinking off) would be taken as still thinking and get the notice forced
+into its answer. Instead, a row whose trace was cut is continued from its trace, the notice and
+the end tag, so the model reads the notice and answers after it (its first answer is discarded).
+
+Chat answers are decoded with special tokens kept and split into answer, reasoning and tool calls
+by :mod:`anex_pipeline.parsing`.
 """
 
 from __future__ import annotations
@@ -17,6 +28,16 @@ from typing import Any
 
 from anex_pipeline.completions import Generated, body_for, embedding_response
 from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, engine_failure, rejected
+from anex_pipeline.parsing import (
+    NOTICE_TEXT,
+    OutputParser,
+    Parsed,
+    ParserNames,
+    ThinkingTags,
+    budget_cut,
+    count_thinking_tokens,
+    thinking_tags,
+)
 from anex_pipeline.spec import RowOutcome
 
 log = logging.getLogger(__name__)
@@ -57,6 +78,27 @@ class EngineSettings:
     memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     max_num_seqs: int | None = None
+    reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
+    tool_parser: str | None = None
+
+
+@dataclass(frozen=True)
+class ThinkingIds:
+    """A model's thinking tags as token ids, and the notice a cut trace ends with."""
+
+    start: list[int]
+    end: list[int]
+    closing: list[int]  # the end tag and what leads into the answer
+    notice: list[int]
+
+
+@dataclass
+class Answer:
+    """One row's generated tokens, their text and why generation stopped."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
 
 
 class RequestProblem(Exception):
@@ -90,12 +132,22 @@ class VllmLocalEngine:
         }
         if settings.max_num_seqs:
             kwargs["max_num_seqs"] = settings.max_num_seqs
+        tags = _reasoning_kwargs(settings, kwargs)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         config = self.llm.llm_engine.model_config
         self.max_model_len: int = config.max_model_len
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
+        names = ParserNames(settings.reasoning_parser, settings.tool_parser)
+        # vLLM's server reads GPT-OSS output as harmony channels; so do we.
+        harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
+        self.parser = OutputParser(self.tokenizer, names, harmony=harmony)
+        self.keep_special_tokens = names != ParserNames()
+        self.thinking: ThinkingIds | None = None
+        if tags is not None:
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
+            self.thinking = ThinkingIds(*ids, notice=self.tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
 
     def shutdown(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
@@ -170,6 +222,15 @@ class VllmLocalEngine:
                 raise RequestProblem(f"{key} must be {kind}, got {value!r}", key)
         kwargs = {**self.defaults, **req.sampling}
         kwargs["max_tokens"] = min(cap or room, room)
+        if isinstance(kwargs.get("logit_bias"), dict):  # JSON keys are strings; vLLM wants token ids
+            try:
+                kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise RequestProblem("logit_bias must map token ids to numbers", "logit_bias") from None
+        if self.keep_special_tokens:  # the parsers (and raw output) need the model's tags
+            kwargs.setdefault("skip_special_tokens", False)
+        if self.thinking is not None and req.reasoning_budget:
+            kwargs["thinking_token_budget"] = req.reasoning_budget
         rf = req.response_format
         try:
             if rf is not None and rf["type"] == "json_object":
@@ -231,21 +292,81 @@ class VllmLocalEngine:
                 for (req, ids, _), res in zip(ready, results, strict=True)
             ]
         results = self.llm.generate(prompts, [p for _, _, p in ready], use_tqdm=False)
-        return [(req, self._completion_outcome(req, res)) for (req, _, _), res in zip(ready, results, strict=True)]
+        answers = [Answer(list(r.outputs[0].token_ids), r.outputs[0].text, r.outputs[0].finish_reason) for r in results]
+        self._answer_after_notice(ready, answers)
+        return [
+            (req, self._completion_outcome(req, res, answer))
+            for (req, _, _), res, answer in zip(ready, results, answers, strict=True)
+        ]
 
-    def _completion_outcome(self, req: EngineRequest, res: Any) -> RowOutcome:
-        out = res.outputs[0]
-        if out.finish_reason not in ("stop", "length"):
-            return engine_failure(req, f"generation ended abnormally ({out.finish_reason})")
+    def _answer_after_notice(self, ready: list[tuple[EngineRequest, list[int], Any]], answers: list[Answer]) -> None:
+        """Rows whose trace the budget cut: the notice goes before the end tag and the answer is
+        generated again after it, within what is left of the row's max_tokens."""
+        from vllm.inputs import TokensPrompt
+
+        t = self.thinking
+        if t is None:
+            return
+        again: list[tuple[int, list[int], str, Any, Any]] = []
+        for n, ((_, ids, params), answer) in enumerate(zip(ready, answers, strict=True)):
+            budget = params.thinking_token_budget
+            cut = budget_cut(ids, answer.token_ids, t.start, t.end, budget) if budget else None
+            if cut is None:
+                continue
+            head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
+            text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
+            room = params.max_tokens - len(head)
+            if room < 1:
+                answers[n] = Answer(head, text, "length")
+                continue
+            follow = params.clone()
+            follow.max_tokens, follow.thinking_token_budget = room, None
+            follow.min_tokens = max(0, follow.min_tokens - len(head))
+            again.append((n, head, text, TokensPrompt(prompt_token_ids=ids + head), follow))
+        if not again:
+            return
+        results = self.llm.generate([a[3] for a in again], [a[4] for a in again], use_tqdm=False)
+        for (n, head, text, _, _), res in zip(again, results, strict=True):
+            out = res.outputs[0]
+            answers[n] = Answer(head + list(out.token_ids), text + out.text, out.finish_reason)
+
+    def _completion_outcome(self, req: EngineRequest, res: Any, answer: Answer) -> RowOutcome:
+        if answer.finish_reason not in ("stop", "length"):
+            return engine_failure(req, f"generation ended abnormally ({answer.finish_reason})")
+        prompt_ids = list(res.prompt_token_ids or [])
+        parsed = self._parsed(req, answer.text, answer.token_ids, prompt_ids)
+        t = self.thinking
+        thinking = count_thinking_tokens(prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
         g = Generated(
-            text=out.text,
-            finish_reason=out.finish_reason,
-            prompt_tokens=len(res.prompt_token_ids or []),
-            completion_tokens=len(out.token_ids),
+            text=parsed.content,
+            finish_reason=answer.finish_reason,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(answer.token_ids),
             cached_tokens=res.num_cached_tokens or 0,
+            reasoning=parsed.reasoning,
+            reasoning_tokens=thinking,
+            tool_calls=parsed.tool_calls,
         )
         body = body_for(req.endpoint, req.request_id, self.model_name, g)
         return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=_usage(g))
+
+    def _parsed(self, req: EngineRequest, text: str, output_ids: list[int], prompt_ids: list[int]) -> Parsed:
+        """The chat answer split by the model's parsers (completions keep the raw text)."""
+        if req.endpoint != "chat":
+            return Parsed(content=text)
+        try:
+            return self.parser.parse(
+                text,
+                output_ids,
+                prompt_ids,
+                req.body,
+                req.chat_template_kwargs,
+                thinking=req.parse_thinking,
+                tools=req.parse_tool_calls,
+            )
+        except Exception:  # a parser choking on odd output must not cost the row its answer
+            log.warning("row %s: the output parsers failed; delivering the raw text", req.key, exc_info=True)
+            return Parsed(content=text)
 
     def _embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vector: Any) -> RowOutcome:
         values = [float(x) for x in vector]
@@ -264,6 +385,28 @@ def _usage(g: Generated) -> dict[str, int]:
         "reasoning_tokens": g.reasoning_tokens,
         "cached_prompt_tokens": g.cached_tokens,
     }
+
+
+def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> ThinkingTags | None:
+    """Adds the reasoning parser and the thinking budget's tags to the LLM arguments; returns the
+    tags (None when the model does not think in tags the budget can use)."""
+    if not settings.reasoning_parser:
+        return None
+    from vllm.config import ReasoningConfig
+    from vllm.tokenizers import get_tokenizer
+
+    try:
+        tags = thinking_tags(settings.reasoning_parser, get_tokenizer(settings.model))
+    except Exception as exc:  # e.g. the tokenizer lacks the parser's tags
+        raise ValueError(
+            f"reasoning parser '{settings.reasoning_parser}' does not fit model '{settings.model_name}': {exc}; "
+            "choose another with the reasoning_parser option"
+        ) from exc
+    # The parser also tells structured outputs where the answer starts, after the thinking.
+    kwargs["reasoning_parser"] = settings.reasoning_parser
+    if tags is not None:  # the budget forces only the closing tags (see the module docstring)
+        kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=tags.start, reasoning_end_str=tags.closing)
+    return tags
 
 
 def _embedding_text(value: Any) -> str:

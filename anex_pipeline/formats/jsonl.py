@@ -8,6 +8,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
+
 from anex_pipeline.formats import InputRow
 from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem, RowOutcome
 from anex_pipeline.validate import _kind, check_body
@@ -60,6 +62,12 @@ def _decode(raw: bytes) -> tuple[Any, str | None]:
             f"holds a NUL byte (0x00 at column {raw.index(0) + 1}); the file looks binary or UTF-16/32 "
             "encoded: save it as UTF-8 JSONL",
         )
+    try:
+        # The fast parser accepts only strict JSON (no NaN, no lone surrogates, bounded depth);
+        # whatever it refuses goes through the standard library to name the problem.
+        return msgspec.json.decode(raw), None
+    except (msgspec.DecodeError, RecursionError):
+        pass
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -206,7 +214,7 @@ def write_results(path: Path, outcomes: Iterable[RowOutcome]) -> int:
     count = 0
     with path.open("w", encoding="utf-8") as f:
         for outcome in outcomes:
-            f.write(json.dumps(envelope(outcome), ensure_ascii=False, separators=(",", ":")))
+            f.write(msgspec.json.encode(envelope(outcome)).decode("utf-8"))
             f.write("\n")
             count += 1
     return count

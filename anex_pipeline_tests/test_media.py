@@ -1,0 +1,610 @@
+"""The media stage against real HTTP servers on loopback: downloads once, cache, limits, retries,
+per-row failures, and the address policy (nothing reaches a host it must not)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import io
+import struct
+import threading
+import time
+import wave
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import dagster as dg
+import pytest
+
+from anex_pipeline.formats import InputRow
+from anex_pipeline.jobs import prepare_job
+from anex_pipeline.media import (
+    MediaFetcher,
+    MediaFetchError,
+    MediaRef,
+    address_problem,
+    allowed_endpoints,
+    attach_media,
+    fetch_shard,
+    media_references,
+    recorded_failures,
+)
+from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobOptions, MediaOptions
+from anex_pipeline_tests.conftest import read_jsonl, write_jsonl
+
+
+def png_bytes(seed: int, side: int = 8) -> bytes:
+    """A real PNG: side x side pixels of one colour that depends on the seed."""
+    pixel = bytes([seed % 256, seed * 7 % 256, seed * 13 % 256])
+    raw = b"".join(b"\x00" + pixel * side for _ in range(side))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def wav_bytes() -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(b"".join(struct.pack("<h", (i % 40 - 20) * 800) for i in range(800)))
+    return out.getvalue()
+
+
+MP4 = struct.pack(">I", 24) + b"ftypisom" + struct.pack(">I", 512) + b"isomiso2"
+WAV = wav_bytes()
+
+
+def image_for(path: str) -> bytes:
+    return png_bytes(zlib.crc32(path.encode()))
+
+
+class MediaServer:
+    """A threaded HTTP server on loopback serving test media; counts requests per path."""
+
+    def __init__(self) -> None:
+        self.hits: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()  # body bytes written per path
+        self.active = 0  # /slow/ requests in progress
+        self.peak = 0  # the most /slow/ requests in progress at once
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer._handle(self)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def total_hits(self) -> int:
+        return sum(self.hits.values())
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        parts = urlsplit(req.path)
+        with self.lock:
+            self.hits[parts.path] += 1
+            count = self.hits[parts.path]
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client stopped reading
+            self._route(req, parts.path, {k: v[0] for k, v in parse_qs(parts.query).items()}, count)
+
+    def _send(
+        self,
+        req: BaseHTTPRequestHandler,
+        status: int,
+        body: bytes = b"",
+        ctype: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        req.send_response(status)
+        if ctype:
+            req.send_header("Content-Type", ctype)
+        for name, value in (headers or {}).items():
+            req.send_header(name, value)
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        req.wfile.write(body)
+        with self.lock:
+            self.sent[req.path.split("?")[0]] += len(body)
+
+    def _stream(self, req: BaseHTTPRequestHandler, path: str, chunk: bytes, pause: float, limit: int) -> None:
+        while self.sent[path] < limit:
+            req.wfile.write(chunk)
+            req.wfile.flush()
+            with self.lock:
+                self.sent[path] += len(chunk)
+            time.sleep(pause)
+
+    def _route(self, req: BaseHTTPRequestHandler, path: str, query: dict[str, str], count: int) -> None:
+        if path.startswith("/img/"):
+            self._send(req, 200, image_for(path), "image/png")
+        elif path.startswith("/slow/"):  # counted as in progress until just before the answer is sent
+            with self.lock:
+                self.active += 1
+                self.peak = max(self.peak, self.active)
+            time.sleep(0.3)
+            with self.lock:
+                self.active -= 1
+            self._send(req, 200, image_for(path), "image/png")
+        elif path.startswith("/no-type/"):
+            self._send(req, 200, image_for(path))
+        elif path == "/sound.wav":
+            self._send(req, 200, WAV, "audio/wav")
+        elif path == "/clip.mp4":
+            self._send(req, 200, MP4, "video/mp4")
+        elif path == "/page.html":
+            self._send(req, 200, b"<html>not an image</html>", "text/html; charset=utf-8")
+        elif path.startswith("/limited/"):  # 429 for the first n requests, then the image
+            if count <= int(query["n"]):
+                self._send(req, 429, b"slow down", "text/plain", {"Retry-After": query["after"]})
+            else:
+                self._send(req, 200, image_for(path), "image/png")
+        elif path == "/always-429.png":
+            self._send(req, 429, b"slow down", "text/plain", {"Retry-After": "0"})
+        elif path == "/unavailable-once.png":
+            if count == 1:
+                self._send(req, 503, b"busy", "text/plain")
+            else:
+                self._send(req, 200, image_for(path), "image/png")
+        elif path == "/redirect":
+            self._send(req, 302, headers={"Location": query["to"]})
+        elif path == "/trickle.png":  # 100 bytes every 0.2 s: each read is quick, the whole is slow
+            req.send_response(200)
+            req.send_header("Content-Type", "image/png")
+            req.send_header("Content-Length", "100000")
+            req.end_headers()
+            self._stream(req, path, b"x" * 100, 0.2, 100_000)
+        elif path == "/huge.png":  # no Content-Length, 256 MiB unless the client stops reading
+            req.send_response(200)
+            req.send_header("Content-Type", "image/png")
+            req.end_headers()
+            self._stream(req, path, b"x" * 65536, 0.0, 256 * 2**20)
+        elif path == "/huge-declared.png":
+            req.send_response(200)
+            req.send_header("Content-Type", "image/png")
+            req.send_header("Content-Length", str(10**9))
+            req.end_headers()
+            self._stream(req, path, b"x" * 65536, 0.0, 4 * 2**20)
+        else:
+            self._send(req, 404, b"no such media", "text/plain")
+
+
+@pytest.fixture
+def server() -> Iterator[MediaServer]:
+    s = MediaServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def forbidden() -> Iterator[MediaServer]:
+    """A second loopback server that no test may reach: its hit count proves it."""
+    s = MediaServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture(autouse=True)
+def media_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "media-cache"
+    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(folder))
+    return folder
+
+
+def allowing(server: MediaServer, **limits: Any) -> MediaOptions:
+    return MediaOptions(allowed_hosts=[f"127.0.0.1:{server.port}"], **limits)
+
+
+def media_row(cid: str, *parts: dict[str, Any]) -> dict[str, Any]:
+    content = [{"type": "text", "text": f"What is in {cid}?"}, *parts]
+    return {
+        "custom_id": cid,
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": content}]},
+    }
+
+
+def image(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def image_ref(url: str) -> MediaRef:
+    return MediaRef(0, 1, "image_url", url)
+
+
+# -- references and the address policy ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "problem"),
+    [
+        ("127.0.0.1", "a loopback address"),
+        ("127.9.9.9", "a loopback address"),
+        ("::1", "a loopback address"),
+        ("::ffff:127.0.0.1", "a loopback address"),
+        ("10.1.2.3", "a private address"),
+        ("172.16.5.4", "a private address"),
+        ("192.168.0.10", "a private address"),
+        ("fc00::5", "a private address"),
+        ("169.254.169.254", "a cloud metadata address"),
+        ("fd00:ec2::254", "a cloud metadata address"),
+        ("100.100.100.200", "a cloud metadata address"),
+        ("168.63.129.16", "a cloud metadata address"),
+        ("169.254.10.1", "a link-local address"),
+        ("fe80::1%eth0", "a link-local address"),
+        ("64:ff9b::a9fe:a9fe", "a cloud metadata address"),
+        ("0.0.0.0", "the unspecified address, which reaches this machine"),
+        ("::", "the unspecified address, which reaches this machine"),
+        ("0.1.2.3", "a private address"),
+        ("100.64.0.1", "not a public unicast address"),
+        ("224.0.0.251", "not a public unicast address"),
+        ("93.184.215.14", None),
+        ("2606:4700:4700::1111", None),
+    ],
+)
+def test_address_policy(address: str, problem: str | None) -> None:
+    assert address_problem(address) == problem
+
+
+def test_allowed_hosts_name_a_host_or_one_port() -> None:
+    assert allowed_endpoints(["127.0.0.1", "Images.Example.com:8443", "[::1]:9000", "::1"]) == {
+        ("127.0.0.1", None),
+        ("images.example.com", 8443),
+        ("::1", 9000),
+        ("::1", None),
+    }
+
+
+def test_references_in_every_kind_of_part() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "plain text is no reference"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    image("https://a.example/x.png"),
+                    {"type": "image_url", "image_url": "https://a.example/bare-string.png"},
+                    {"type": "audio_url", "audio_url": {"url": "http://a.example/s.wav"}},
+                    {"type": "video_url", "video_url": {"url": "http://a.example/v.mp4"}},
+                    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                    {"type": "input_audio", "input_audio": {"data": "https://a.example/t.mp3", "format": "mp3"}},
+                    image("data:image/png;base64,iVBORw0KGgo="),
+                ],
+            },
+        ]
+    }
+    refs = media_references(body)
+    assert [(r.param, r.kind, r.remote) for r in refs] == [
+        ("messages[1].content[1]", "image", True),
+        ("messages[1].content[2]", "image", True),
+        ("messages[1].content[3]", "audio", True),
+        ("messages[1].content[4]", "video", True),
+        ("messages[1].content[6]", "audio", True),
+        ("messages[1].content[7]", "image", False),
+    ]
+
+
+# -- downloads ------------------------------------------------------------------------------------
+
+
+def test_media_reach_the_engine_as_data(server: MediaServer) -> None:
+    inline_png = "data:image/png;base64," + base64.b64encode(png_bytes(1)).decode()
+    bodies = [
+        media_row("img", image(server.url("/img/cat.png")), image(inline_png))["body"],
+        media_row("snd", {"type": "audio_url", "audio_url": {"url": server.url("/sound.wav")}})["body"],
+        media_row("in-audio", {"type": "input_audio", "input_audio": {"data": server.url("/sound.wav")}})["body"],
+        media_row("vid", {"type": "video_url", "video_url": {"url": server.url("/clip.mp4")}})["body"],
+        media_row("guess", image(server.url("/no-type/dog.png")))["body"],
+        {"messages": [{"role": "user", "content": "text only"}]},
+    ]
+    rows = [InputRow(i, f"k{i}", body) for i, body in enumerate(bodies)]
+    originals = copy.deepcopy(bodies)
+
+    ready, failed = attach_media(rows, allowing(server))
+
+    assert failed == []
+    assert [r.body for r in rows] == originals  # the stored rows are left as they were
+    parts = [r.body["messages"][0]["content"] for r in ready[:5]]
+    assert (
+        parts[0][1]["image_url"]["url"]
+        == "data:image/png;base64," + base64.b64encode(image_for("/img/cat.png")).decode()
+    )
+    assert parts[0][2]["image_url"]["url"] == inline_png
+    assert parts[1][1]["audio_url"]["url"] == "data:audio/wav;base64," + base64.b64encode(WAV).decode()
+    assert parts[2][1]["input_audio"] == {"data": base64.b64encode(WAV).decode(), "format": "wav"}
+    assert parts[3][1]["video_url"]["url"] == "data:video/mp4;base64," + base64.b64encode(MP4).decode()
+    assert parts[4][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert ready[5].body is bodies[5]
+    assert not any(r.remote for row in ready for r in media_references(row.body))
+    assert server.hits["/sound.wav"] == 1  # two rows, one download
+
+
+def test_concurrent_askers_share_one_download(server: MediaServer, media_cache: Path) -> None:
+    urls = [server.url(f"/slow/{n}.png") for n in range(4)]
+    with MediaFetcher(allowing(server)) as fetcher, ThreadPoolExecutor(40) as pool:
+        sizes = list(pool.map(lambda n: fetcher.fetch(urls[n % 4]).size, range(40)))
+    assert {server.hits[f"/slow/{n}.png"] for n in range(4)} == {1}
+    assert fetcher.stats.fetched == 4 and sizes[0] == len(image_for("/slow/0.png"))
+
+    with MediaFetcher(allowing(server), media_cache) as again:
+        assert [again.fetch(u).mime for u in urls] == ["image/png"] * 4
+    assert server.total_hits() == 4 and again.stats.from_cache == 4 and again.stats.fetched == 0
+
+    # Two fetchers on one cache (as two processes would be) still download each URL once.
+    more = [server.url(f"/slow/more-{n}.png") for n in range(3)]
+    with MediaFetcher(allowing(server)) as a, MediaFetcher(allowing(server)) as b, ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda n: (a if n % 2 else b).fetch(more[n % 3]), range(12)))
+    assert [server.hits[f"/slow/more-{n}.png"] for n in range(3)] == [1, 1, 1]
+    assert a.stats.fetched + b.stats.fetched == 3
+
+
+def test_connections_per_host_are_bounded(server: MediaServer) -> None:
+    urls = [server.url(f"/slow/bound-{n}.png") for n in range(6)]
+    with MediaFetcher(allowing(server, per_host_connections=2)) as fetcher, ThreadPoolExecutor(6) as pool:
+        list(pool.map(fetcher.fetch, urls))
+    assert server.peak == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "limits", "status", "says"),
+    [
+        ("/missing.png", {}, 404, "the server answered 404 Not Found"),
+        ("/page.html", {}, None, "it is text/html; charset=utf-8, not an image, audio or video file"),
+        ("/sound.wav", {}, None, "it is audio/wav, not the image its image_url part needs"),
+        ("/trickle.png", {"timeout_s": 1.0}, None, "it did not arrive within timeout_s=1 s"),
+        ("/huge.png", {"max_bytes": 200_000}, None, "it is larger than media.max_bytes=200000; stopped reading"),
+        ("/huge-declared.png", {"max_bytes": 1000}, None, "it is 1000000000 bytes, more than media.max_bytes=1000"),
+    ],
+)
+def test_a_failed_fetch_names_the_url_and_the_cause(
+    server: MediaServer, path: str, limits: dict[str, Any], status: int | None, says: str
+) -> None:
+    url = server.url(path)
+    started = time.monotonic()
+    with MediaFetcher(allowing(server, **limits)) as fetcher, pytest.raises(MediaFetchError) as caught:
+        fetcher.checked(image_ref(url))
+    assert str(caught.value) == f"media {url} could not be fetched: {says}"
+    assert caught.value.status == status
+    assert time.monotonic() - started < 5
+    assert server.hits[path] == 1
+    assert server.sent[path] < 32 * 2**20  # big bodies were not read to the end (256 MiB, 1 GB declared)
+
+
+def test_failures_without_an_http_status(server: MediaServer) -> None:
+    closed = MediaServer()
+    closed.close()  # nothing listens on its port any more
+    options = MediaOptions(allowed_hosts=["127.0.0.1"])
+    with MediaFetcher(options) as fetcher:
+        with pytest.raises(MediaFetchError, match=r"the transfer failed: .*Connection refused") as refused:
+            fetcher.fetch(closed.url("/img/a.png"))
+        with pytest.raises(MediaFetchError, match=r"the host name nothing\.invalid does not resolve") as unknown:
+            fetcher.fetch("http://nothing.invalid/a.png")
+    assert refused.value.status is None and unknown.value.status is None
+
+
+def test_rate_limits_are_retried_honouring_retry_after(server: MediaServer) -> None:
+    with MediaFetcher(allowing(server, max_retries=2)) as fetcher:
+        started = time.monotonic()
+        assert fetcher.fetch(server.url("/limited/wait.png?n=1&after=1")).mime == "image/png"
+        assert time.monotonic() - started >= 1.0  # it waited as the server asked
+        assert fetcher.fetch(server.url("/unavailable-once.png")).mime == "image/png"  # 5xx: backoff
+        with pytest.raises(MediaFetchError) as always:
+            fetcher.fetch(server.url("/always-429.png"))
+        started = time.monotonic()
+        with pytest.raises(MediaFetchError) as too_long:
+            fetcher.fetch(server.url("/limited/later.png?n=5&after=3600"))
+        assert time.monotonic() - started < 2  # an hour's wait is refused, not slept
+    assert server.hits["/limited/wait.png"] == 2 and server.hits["/unavailable-once.png"] == 2
+    assert always.value.status == 429 and server.hits["/always-429.png"] == 3
+    assert "answered 429 Too Many Requests to all 3 attempts (media.max_retries is 2)" in str(always.value)
+    assert too_long.value.status == 429 and server.hits["/limited/later.png"] == 1
+    assert "asked to retry after 3600 s, longer than the 60 s this stage waits" in str(too_long.value)
+
+
+# -- where requests may not go --------------------------------------------------------------------
+
+REFUSED_CASES: list[tuple[str, Callable[[MediaServer, MediaServer], str], str]] = [
+    ("metadata", lambda s, f: "http://169.254.169.254/latest/meta-data/", "169.254.169.254 is a cloud metadata"),
+    ("metadata-v6", lambda s, f: "http://[fd00:ec2::254]/latest/meta-data/", "fd00:ec2::254 is a cloud metadata"),
+    ("private", lambda s, f: "http://10.0.0.1/a.png", "10.0.0.1 is a private address"),
+    ("loopback", lambda s, f: f.url("/img/a.png"), "127.0.0.1 is a loopback address"),
+    ("loopback-v6", lambda s, f: f"http://[::1]:{f.port}/img/a.png", "::1 is a loopback address"),
+    ("localhost", lambda s, f: f"http://localhost:{f.port}/img/a.png", "localhost resolves to 127.0.0.1, a loopback"),
+    ("file", lambda s, f: "file:///etc/passwd", "only http and https URLs are fetched, not file: URLs"),
+    ("ftp", lambda s, f: "ftp://files.example.com/a.png", "only http and https URLs are fetched, not ftp: URLs"),
+    ("relative", lambda s, f: "pictures/a.png", "only http and https URLs are fetched, not a URL without a scheme"),
+    (
+        "redirect-to-metadata",
+        lambda s, f: s.url("/redirect?to=http://169.254.169.254/latest/meta-data/"),
+        "after a redirect to http://169.254.169.254/latest/meta-data/, 169.254.169.254 is a cloud metadata address",
+    ),
+    (
+        "redirect-to-other-port",
+        lambda s, f: s.url(f"/redirect?to=http://127.0.0.1:{f.port}/img/a.png"),
+        "after a redirect to http://127.0.0.1:PORT/img/a.png, 127.0.0.1 is a loopback address",
+    ),
+    (
+        "redirect-to-file",
+        lambda s, f: s.url("/redirect?to=file:///etc/passwd"),
+        "after a redirect to file:///etc/passwd, only http and https URLs are fetched, not file: URLs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "make_url", "says"), REFUSED_CASES, ids=[c[0] for c in REFUSED_CASES])
+def test_refused_destinations_get_no_request(
+    server: MediaServer, forbidden: MediaServer, name: str, make_url: Callable[..., str], says: str
+) -> None:
+    url = make_url(server, forbidden)
+    started = time.monotonic()
+    with MediaFetcher(allowing(server)) as fetcher, pytest.raises(MediaFetchError) as caught:
+        fetcher.fetch(url)
+    message = str(caught.value)
+    assert message.startswith(f"media {url} could not be fetched: ")
+    assert says.replace("PORT", str(forbidden.port)) in message
+    assert caught.value.status is None
+    assert time.monotonic() - started < 2  # refused before any connection was tried
+    assert forbidden.total_hits() == 0
+    if name.startswith("redirect"):
+        assert server.hits["/redirect"] == 1
+    if name.startswith(("loopback", "metadata", "private", "localhost", "redirect-to-metadata")):
+        assert "unless the job's media.allowed_hosts names them" in message
+
+
+def test_loopback_needs_the_allow_list(server: MediaServer) -> None:
+    with MediaFetcher(MediaOptions()) as fetcher, pytest.raises(MediaFetchError, match="is a loopback address"):
+        fetcher.fetch(server.url("/img/a.png"))
+    assert server.total_hits() == 0
+    with MediaFetcher(MediaOptions(allowed_hosts=["127.0.0.1"])) as fetcher:  # a host without port: every port
+        assert fetcher.fetch(server.url("/img/a.png")).mime == "image/png"
+    assert server.total_hits() == 1
+
+
+# -- the stage ------------------------------------------------------------------------------------
+
+
+def test_fetch_shard_records_failed_rows_and_counts(tmp_path: Path, server: MediaServer) -> None:
+    rows = [
+        media_row("ok-1", image(server.url("/img/a.png"))),
+        media_row("ok-2", image(server.url("/img/a.png")), image(server.url("/img/b.png"))),
+        media_row("gone", image(server.url("/img/b.png")), image(server.url("/missing.png"))),
+        media_row("inline", image("data:image/png;base64," + base64.b64encode(png_bytes(3)).decode())),
+        media_row("meta", image("http://169.254.169.254/latest/meta-data/")),
+        {"custom_id": "text", "body": {"messages": [{"role": "user", "content": "hi"}]}},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = JobOptions(media=allowing(server))
+    job = prepare_job(src, str(tmp_path / "out.jsonl"), options, tmp_path / "work")
+
+    stats = fetch_shard(job, 0, options.media)
+
+    assert {k: v for k, v in stats.items() if k != "seconds"} == {
+        "rows": 6,
+        "rows_with_media": 5,
+        "inline_media": 1,
+        "urls_seen": 4,
+        "fetched": 2,
+        "from_cache": 0,
+        "failed_urls": 2,
+        "failed_by_code": {"404": 1, "none": 1},
+        "rows_failed": 2,
+        "bytes": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
+        "bytes_downloaded": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
+    }
+    failures = recorded_failures(job, 0)
+    assert sorted(failures) == [2, 4]
+    gone = failures[2]
+    assert gone.status_code == 404 and gone.error is not None
+    assert gone.error.as_dict() == {
+        "message": f"media {server.url('/missing.png')} could not be fetched: the server answered 404 Not Found",
+        "type": "media_fetch_error",
+        "code": 404,
+        "param": "messages[0].content[2]",
+    }
+    assert failures[4].status_code is None and failures[4].error is not None and failures[4].error.code is None
+
+    again = fetch_shard(job, 0, options.media)
+    assert (again["fetched"], again["from_cache"], again["failed_urls"]) == (0, 2, 2)
+    assert server.hits["/img/a.png"] == 1 and server.hits["/missing.png"] == 2  # failures are not cached
+
+
+def _media_metadata(instance: dg.DagsterInstance, count: int) -> list[dict[str, Any]]:
+    records = instance.fetch_materializations(dg.AssetKey("fetched_media"), limit=count).records
+    out = []
+    for record in records:
+        materialization = record.asset_materialization
+        assert materialization is not None
+        out.append({k: v.value for k, v in materialization.metadata.items()})
+    return out
+
+
+def test_hundred_rows_ten_urls_download_ten_times_then_none(
+    tmp_path: Path, fake_runner: JobRunner, instance: dg.DagsterInstance, server: MediaServer
+) -> None:
+    rows = [media_row(f"r-{i}", image(server.url(f"/img/{i % 10}.png"))) for i in range(100)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"shards": 2, "max_tokens": 16, "media": {"allowed_hosts": ["127.0.0.1"]}}
+
+    first = fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "first.jsonl"), options))
+    # The fake engine refuses any media URL it is handed, so every completion got data.
+    assert first.request_counts.completed == 100 and first.request_counts.failed == 0
+    assert server.total_hits() == 10 and set(server.hits.values()) == {1}
+    shard_1, shard_0 = _media_metadata(instance, 2)
+    assert (shard_0["urls_seen"], shard_0["fetched"], shard_0["from_cache"]) == (10, 10, 0)
+    assert (shard_1["urls_seen"], shard_1["fetched"], shard_1["from_cache"]) == (10, 0, 10)
+
+    second = fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "second.jsonl"), options))
+    assert second.request_counts.completed == 100
+    assert server.total_hits() == 10  # everything came from the cache
+    assert [m["fetched"] for m in _media_metadata(instance, 2)] == [0, 0]
+
+
+def test_rate_limited_rows_fail_alone_and_the_report_counts_them(
+    tmp_path: Path, fake_runner: JobRunner, server: MediaServer
+) -> None:
+    kinds = ["limited", "missing", "metadata", "ok", "ok", "ok"]
+    urls = {
+        "limited": server.url("/always-429.png"),
+        "missing": server.url("/missing.png"),
+        "metadata": "http://169.254.169.254/latest/meta-data/",
+    }
+    rows = [
+        media_row(f"r-{i}", image(urls.get(kinds[i % 6], server.url(f"/img/{i}.png"))))
+        if i % 7
+        else {"custom_id": f"r-{i}", "body": {"messages": [{"role": "user", "content": f"text {i}"}]}}
+        for i in range(24)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    options = {"shards": 2, "max_tokens": 16, "media": {"allowed_hosts": ["127.0.0.1"], "max_retries": 1}}
+
+    report = fake_runner.run(fake_runner.submit(str(src), str(out), options))
+
+    lines = read_jsonl(out)
+    failed = {line["custom_id"]: line for line in lines if line["error"]}
+    expected = {f"r-{i}": kinds[i % 6] for i in range(24) if i % 7 and kinds[i % 6] != "ok"}
+    assert set(failed) == set(expected)
+    for cid, kind in expected.items():
+        line = failed[cid]
+        code = {"limited": 429, "missing": 404, "metadata": None}[kind]
+        assert line["response"] == {"status_code": code, "request_id": f"req_{cid}", "body": None}
+        assert line["error"]["type"] == "media_fetch_error" and line["error"]["code"] == code
+        assert line["error"]["param"] == "messages[0].content[1]"
+        assert line["error"]["message"].startswith(f"media {urls[kind]} could not be fetched: ")
+    assert report.status == "completed"
+    assert report.request_counts.model_dump() == {
+        "total": 24,
+        "completed": 24 - len(expected),
+        "failed": len(expected),
+        "format_error_rows": 0,
+    }
+    assert report.error_counts == {"media_fetch_error": len(expected)}
+    assert server.hits["/always-429.png"] == 2 * 2  # max_retries + 1 attempts, once per shard

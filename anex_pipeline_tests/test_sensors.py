@@ -1,0 +1,380 @@
+"""Sensors and the retry schedule, evaluated tick by tick on a test instance as the daemon would:
+new files in a bucket (a real S3-compatible server on loopback) or a folder become jobs exactly
+once, and the job driver carries each job from submit to the published result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+from moto.server import ThreadedMotoServer
+
+from anex_pipeline.definitions import build_definitions, defs
+from anex_pipeline.defs.partitions import JOBS, job_shard_key
+from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.defs.sensors import LocalInboxSettings, S3InboxSettings
+from anex_pipeline.runner import QUIET_LOGGERS
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.fakes import FakeEngineResource
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "batches"
+
+
+@dataclass
+class Deployment:
+    """One code location on one instance, with the sensor cursors the daemon would keep."""
+
+    defs: dg.Definitions
+    instance: dg.DagsterInstance
+    cursors: dict[str, str | None] = field(default_factory=dict)
+    run_keys: list[str] = field(default_factory=list)
+
+    def tick(self, sensor_name: str) -> Any:
+        """Evaluates one tick and applies its partition requests and cursor, as the daemon does."""
+        with (
+            dg.build_sensor_context(
+                instance=self.instance,
+                instance_ref=self.instance.get_ref(),
+                cursor=self.cursors.get(sensor_name),
+                resources=dict(self.defs.resources),
+                definitions=self.defs,
+            ) as context,
+            dg.partition_loading_context(dynamic_partitions_store=self.instance),
+        ):
+            data = self.defs.resolve_sensor_def(sensor_name).evaluate_tick(context)
+        for request in data.dynamic_partitions_requests or []:
+            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        if data.cursor is not None:
+            self.cursors[sensor_name] = data.cursor
+        self.run_keys.extend(r.run_key for r in data.run_requests or [])
+        return data
+
+    def execute(self, request: dg.RunRequest, job_name: str | None = None) -> dg.ExecuteInProcessResult:
+        job = self.defs.resolve_job_def(job_name or request.job_name)
+        result = job.execute_in_process(
+            run_config={**request.run_config, "loggers": QUIET_LOGGERS},
+            partition_key=request.partition_key,
+            instance=self.instance,
+        )
+        assert result.success
+        return result
+
+    def drive(self) -> list[list[str]]:
+        """Ticks the driver and runs what it asks for until it asks for nothing; returns the steps."""
+        steps = []
+        for _ in range(10):
+            data = self.tick("job_driver")
+            if not data.run_requests:
+                assert len(set(self.run_keys)) == len(self.run_keys), "a step was requested twice"
+                return steps
+            steps.append([f"{r.job_name}:{r.partition_key}" for r in data.run_requests])
+            for request in data.run_requests:
+                self.execute(request)
+        raise AssertionError(f"the driver never settled: {steps}")
+
+    def submit(self, job_id: str, config: dict[str, Any]) -> None:
+        """What a UI user does: a new `jobs` partition, then submit_job with a launchpad config."""
+        self.instance.add_dynamic_partitions(JOBS, [job_id])
+        self.execute(
+            dg.RunRequest(partition_key=job_id, run_config={"ops": {"validated_input": {"config": config}}}),
+            "submit_job",
+        )
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    """A throwaway instance on disk: sensor and schedule contexts need an instance they can
+    reopen by reference to add partitions in the same tick, which an in-memory one cannot give."""
+    with dg.instance_for_test() as inst:
+        yield inst
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """moto's S3 server on a free loopback port; boto3 reaches it over HTTP with dummy credentials."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "test-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    yield endpoint
+    # moto keeps buckets in process-wide state, whichever server serves them: empty it.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
+    server.stop()
+
+
+def storage_for(tmp_path: Path, endpoint: str | None = None) -> StorageResource:
+    return StorageResource(work_root=str(tmp_path / "work"), s3_endpoint_url=endpoint, s3_region="us-east-1")
+
+
+@pytest.fixture
+def bucket(tmp_path: Path, s3_endpoint: str, instance: dg.DagsterInstance) -> Callable[..., tuple[Deployment, Any]]:
+    """A deployment watching BUCKET on the loopback server, and a boto3 client to fill it."""
+
+    def make(**settings: Any) -> tuple[Deployment, Any]:
+        storage = storage_for(tmp_path, s3_endpoint)
+        client = storage.s3_client()
+        client.create_bucket(Bucket=BUCKET)
+        inbox = S3InboxSettings(**{"bucket": BUCKET, "prefix": "in/", "output_prefix": "out/", **settings})
+        return Deployment(build_definitions(storage, FakeEngineResource(), s3_inbox=inbox), instance), client
+
+    return make
+
+
+def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def submitted(data: Any) -> list[dict[str, Any]]:
+    """The launch config of each submit run a tick requested (its partition added in the same tick)."""
+    added = [key for request in data.dynamic_partitions_requests or [] for key in request.partition_keys]
+    assert added == [r.partition_key for r in data.run_requests]
+    assert all(r.job_name == "submit_job" and r.run_key == r.partition_key for r in data.run_requests)
+    return [r.run_config["ops"]["validated_input"]["config"] for r in data.run_requests]
+
+
+def test_definitions_hold_the_sensors_and_schedule_switched_off() -> None:
+    assert {s.name: s.default_status for s in defs.sensors or []} == {
+        "job_driver": dg.DefaultSensorStatus.STOPPED,
+        "s3_inbox": dg.DefaultSensorStatus.STOPPED,
+        "local_inbox": dg.DefaultSensorStatus.STOPPED,
+    }
+    assert [(s.name, s.default_status) for s in defs.schedules or []] == [
+        ("retry_failed_rows", dg.DefaultScheduleStatus.STOPPED)
+    ]
+
+
+def test_s3_object_becomes_one_job_and_an_overwrite_another(bucket: Callable[..., Any]) -> None:
+    deployment, client = bucket(prefix="", output_prefix="out/")
+    rows = [chat_row("a", "hello")]
+    client.put_object(Bucket=BUCKET, Key="in/batch.jsonl", Body=jsonl_bytes(rows))
+    client.put_object(Bucket=BUCKET, Key="in/notes.txt", Body=b"not an input")
+    client.put_object(Bucket=BUCKET, Key="in/.partial.jsonl", Body=b"{}")
+    client.put_object(Bucket=BUCKET, Key="out/earlier.results.jsonl", Body=jsonl_bytes(rows))
+
+    first = deployment.tick("s3_inbox")
+    assert submitted(first) == [
+        {"input": f"s3://{BUCKET}/in/batch.jsonl", "output": f"s3://{BUCKET}/out/in/batch.results.jsonl", "options": {}}
+    ]
+    job_id = first.run_requests[0].partition_key
+    assert deployment.instance.has_dynamic_partition(JOBS, job_id)
+
+    again = deployment.tick("s3_inbox")
+    assert not again.run_requests and not again.dynamic_partitions_requests and again.skip_message
+
+    client.put_object(Bucket=BUCKET, Key="in/batch.jsonl", Body=jsonl_bytes([*rows, chat_row("b", "more")]))
+    changed = deployment.tick("s3_inbox")
+    assert [c["input"] for c in submitted(changed)] == [f"s3://{BUCKET}/in/batch.jsonl"]
+    assert changed.run_requests[0].partition_key != job_id
+    assert not deployment.tick("s3_inbox").run_requests
+
+
+def test_sidecar_options_reach_the_run_config(bucket: Callable[..., Any]) -> None:
+    deployment, client = bucket(options='{"temperature": 0, "max_tokens": 8}')
+    body = jsonl_bytes([chat_row("a", "hello")])
+    for name in ("a", "b", "c"):
+        client.put_object(Bucket=BUCKET, Key=f"in/{name}.jsonl", Body=body)
+    client.put_object(Bucket=BUCKET, Key="in/a.jsonl.job.json", Body=b'{"max_tokens": 16, "shards": 2}')
+    client.put_object(Bucket=BUCKET, Key="in/c.jsonl.job.json", Body=b"{max_tokens: 16")
+
+    options = {Path(c["input"]).name: c["options"] for c in submitted(deployment.tick("s3_inbox"))}
+    assert options == {
+        "a.jsonl": {"temperature": 0, "max_tokens": 16, "shards": 2},
+        "b.jsonl": {"temperature": 0, "max_tokens": 8},
+    }
+
+    client.put_object(Bucket=BUCKET, Key="in/c.jsonl.job.json", Body=b'{"seed": 7}')
+    fixed = submitted(deployment.tick("s3_inbox"))
+    assert [(Path(c["input"]).name, c["options"]) for c in fixed] == [
+        ("c.jsonl", {"temperature": 0, "max_tokens": 8, "seed": 7})
+    ]
+
+
+def test_a_big_bucket_is_paged_across_ticks_without_loss_or_repeat(bucket: Callable[..., Any]) -> None:
+    deployment, client = bucket(page_limit=3)
+    keys = {f"in/part-{n:02d}.jsonl" for n in range(8)}
+    for key in keys:
+        client.put_object(Bucket=BUCKET, Key=key, Body=jsonl_bytes([chat_row(key, "hi")]))
+
+    per_tick = []
+    while (data := deployment.tick("s3_inbox")).run_requests:
+        per_tick.append([c["input"].removeprefix(f"s3://{BUCKET}/") for c in submitted(data)])
+        assert set(json.loads(deployment.cursors["s3_inbox"])) == {"since"}
+    assert [len(t) for t in per_tick] == [3, 3, 2]
+    taken = [key for tick in per_tick for key in tick]
+    assert sorted(taken) == sorted(keys)
+    assert len(deployment.instance.get_dynamic_partitions(JOBS)) == 8
+
+
+def test_s3_file_to_result_under_the_output_prefix(bucket: Callable[..., Any]) -> None:
+    deployment, client = bucket()
+    rows = [chat_row(f"q{i}", f"question {i}", max_tokens=12) for i in range(5)]
+    client.put_object(Bucket=BUCKET, Key="in/batch.jsonl.job.json", Body=b'{"shards": 2}')
+    client.put_object(Bucket=BUCKET, Key="in/batch.jsonl", Body=jsonl_bytes(rows))
+
+    data = deployment.tick("s3_inbox")
+    assert len(data.run_requests) == 1
+    deployment.execute(data.run_requests[0])
+    job_id = data.run_requests[0].partition_key
+    steps = deployment.drive()
+    assert steps == [
+        [f"estimate_job:{job_id}"],
+        [f"shard_job:{job_shard_key(job_id, 0)}", f"shard_job:{job_shard_key(job_id, 1)}"],
+        [f"finish_job:{job_id}"],
+    ]
+
+    def read(key: str) -> str:
+        return client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+
+    lines = [json.loads(line) for line in read("out/batch.results.jsonl").splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"q{i}" for i in range(5)]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines)
+    assert lines[3]["response"]["body"]["choices"][0]["message"]["content"].startswith("answer to q3")
+    report = json.loads(read("out/batch.results.report.json"))
+    assert report["job_id"] == job_id and report["status"] == "completed"
+    assert report["request_counts"]["total"] == 5 and report["request_counts"]["completed"] == 5
+
+
+def local_deployment(tmp_path: Path, instance: dg.DagsterInstance, **settings: Any) -> Deployment:
+    inbox = LocalInboxSettings(**{"settle_seconds": 0.0, **settings})
+    return Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource(), local_inbox=inbox), instance)
+
+
+def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    deployment = local_deployment(tmp_path, instance)  # inbox and outbox beside the work folder
+    inbox = tmp_path / "inbox" / "team"
+    inbox.mkdir(parents=True)
+    shutil.copy(REPO / "examples" / "chat.parquet", inbox / "chat.parquet")
+    (inbox / "chat.parquet.job.json").write_text('{"max_tokens": 6}')
+
+    data = deployment.tick("local_inbox")
+    assert submitted(data) == [
+        {
+            "input": str(inbox / "chat.parquet"),
+            "output": str(tmp_path / "outbox" / "team" / "chat.results.parquet"),
+            "options": {"max_tokens": 6},
+        }
+    ]
+    deployment.execute(data.run_requests[0])
+    assert len(deployment.drive()) == 3
+    assert not deployment.tick("local_inbox").run_requests
+
+    table = pq.read_table(tmp_path / "outbox" / "team" / "chat.results.parquet").to_pylist()
+    source = pq.read_table(REPO / "examples" / "chat.parquet").to_pylist()
+    assert [r["id"] for r in table] == [r["id"] for r in source]
+    assert all(r["output"] and r["error_type"] is None for r in table)
+    report = json.loads((tmp_path / "outbox" / "team" / "chat.results.report.json").read_text())
+    assert report["status"] == "completed" and report["request_counts"]["completed"] == len(source)
+
+
+def test_local_inbox_takes_each_file_once_and_a_changed_file_again(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    inbox, outbox = tmp_path / "drop", tmp_path / "drop" / "done"
+    deployment = local_deployment(tmp_path, instance, folder=str(inbox), outbox=str(outbox))
+    inbox.mkdir()
+    src = write_jsonl(inbox / "in.jsonl", [chat_row("a", "hi")])
+    outbox.mkdir()
+    write_jsonl(outbox / "old.results.jsonl", [chat_row("a", "hi")])
+    (inbox / "in.jsonl.job.json").write_text("{}")
+
+    first = submitted(deployment.tick("local_inbox"))
+    assert [c["input"] for c in first] == [str(src)]
+    assert not deployment.tick("local_inbox").run_requests
+
+    write_jsonl(src, [chat_row("a", "hi"), chat_row("b", "there")])
+    second = deployment.tick("local_inbox")
+    assert [c["input"] for c in submitted(second)] == [str(src)]
+    assert len(deployment.instance.get_dynamic_partitions(JOBS)) == 2
+
+    waiting = local_deployment(tmp_path, instance, folder=str(inbox), outbox=str(outbox), settle_seconds=3600)
+    write_jsonl(inbox / "copying.jsonl", [chat_row("c", "still being written")])
+    assert not waiting.tick("local_inbox").run_requests
+    assert [c["input"] for c in submitted(deployment.tick("local_inbox"))] == [str(inbox / "copying.jsonl")]
+
+
+def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"u{i}", f"question {i}", max_tokens=9) for i in range(12)])
+    out = tmp_path / "out.jsonl"
+    deployment.submit("ui-job", {"input": str(src), "output": str(out), "options": {"shards": 3}})
+
+    # A run of the job already waiting to start (say, launched by hand): the driver waits for it.
+    queued = instance.create_run_for_job(
+        job_def=deployment.defs.resolve_job_def("estimate_job"),
+        status=dg.DagsterRunStatus.NOT_STARTED,
+        tags={"dagster/partition": "ui-job"},
+    )
+    assert not deployment.tick("job_driver").run_requests
+    instance.delete_run(queued.run_id)
+
+    steps = deployment.drive()
+    assert steps == [
+        ["estimate_job:ui-job"],
+        [f"shard_job:{job_shard_key('ui-job', s)}" for s in range(3)],
+        ["finish_job:ui-job"],
+    ]
+    assert [line["custom_id"] for line in read_jsonl(out)] == [f"u{i}" for i in range(12)]
+
+    # Materializing validated_input again (empty config: the same job) is a new submission.
+    deployment.execute(dg.RunRequest(partition_key="ui-job"), "submit_job")
+    again = deployment.tick("job_driver").run_requests
+    assert [(r.job_name, r.partition_key) for r in again] == [("estimate_job", "ui-job")]
+    assert again[0].run_key not in deployment.run_keys[:-1]
+
+
+def test_retry_schedule_reruns_only_shards_with_failed_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+    rows = [chat_row(f"r{i}", f"question {i}", max_tokens=9) for i in range(8)]
+    rows[6] = chat_row("r6", "word " * 500, max_tokens=9)  # longer than the fake engine's context: a failed row
+    deployment.submit(
+        "flaky",
+        {
+            "input": str(write_jsonl(tmp_path / "in.jsonl", rows)),
+            "output": str(tmp_path / "o.jsonl"),
+            "options": {"shards": 2},
+        },
+    )
+    deployment.submit(
+        "clean",
+        {
+            "input": str(write_jsonl(tmp_path / "ok.jsonl", rows[:4])),
+            "output": str(tmp_path / "ok-out.jsonl"),
+            "options": {},
+        },
+    )
+    deployment.drive()
+
+    schedule = deployment.defs.resolve_schedule_def("retry_failed_rows")
+    with (
+        dg.build_schedule_context(
+            instance=instance,
+            resources=dict(deployment.defs.resources),
+            repository_def=deployment.defs.get_repository_def(),
+        ) as context,
+        dg.partition_loading_context(dynamic_partitions_store=instance),
+    ):
+        data = schedule.evaluate_tick(context)
+    assert [r.partition_key for r in data.run_requests] == [str(job_shard_key("flaky", 1))]
+
+    rerun = deployment.execute(data.run_requests[0], "shard_job")
+    metadata = rerun.asset_materializations_for_node("generations")[0].metadata
+    assert metadata["generated"].value == 1 and metadata["kept_from_earlier_runs"].value == 3
+    assert deployment.drive() == [["finish_job:flaky"]]  # the driver publishes the rerun's result

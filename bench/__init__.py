@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.io_throughput` and `python -m bench.vs_run_batch` (see README)."""
