@@ -18,6 +18,7 @@ from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.formats import InputRow
 from anex_pipeline.jobs import JobDir, JobManifest, append_outcomes, atomic_write_text, read_outcomes
 from anex_pipeline.length_bound import upper_bound
+from anex_pipeline.media import attach_media
 from anex_pipeline.parsing import choose_parsers
 from anex_pipeline.spec import EstimateReport, RowOutcome
 
@@ -81,6 +82,7 @@ def _sample_and_bound(
         candidates, min(options.estimate_sample_size, len(candidates))
     )
     sample.sort(key=lambda r: r.index)
+    sample, _ = attach_media(sample, options.media)  # rows whose media fail stay out of the sample
     sample_cap = cap if cap is not None else options.max_tokens
     requests = [
         resolve_request(r, manifest.job_id, manifest.endpoint, options, sample_cap, options.reasoning_budget)

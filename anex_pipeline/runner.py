@@ -37,7 +37,9 @@ class JobRunner:
     def __init__(self, instance: dg.DagsterInstance, storage: StorageResource, engine: EngineResource):
         self.instance = instance
         self.storage = storage
-        self.defs = build_definitions(storage, engine.model_copy(update={"keep_loaded": True}))
+        # Built anew, not model_copy'd: Dagster re-creates resources from their constructor values.
+        shared = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
+        self.defs = build_definitions(storage, shared)
 
     def submit(self, input_path: str, output: str, raw_options: dict[str, Any], report: str | None = None) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition."""

@@ -142,6 +142,13 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         found = check_response_format(options.response_format, "response_format")
         if found:
             raise JobRejected([Problem(m + " (options)", field=f) for f, m in found])
+    if options.reasoning_parser is not None or options.tool_parser is not None:
+        from anex_pipeline.parsing import ParserChoiceError, check_parser_names  # imports vLLM
+
+        try:
+            check_parser_names(options.reasoning_parser, options.tool_parser)
+        except ParserChoiceError as exc:
+            raise JobRejected([Problem(f"{exc} (options)", field="reasoning_parser/tool_parser")]) from None
     return options
 
 

@@ -539,3 +539,11 @@ def test_thousands_of_bad_lines_are_counted_and_the_first_ones_named(
     assert f"job rejected: {len(bad)} problem(s)" in err
     assert all(names_line(err, n) for n in bad[:20]), err
     assert re.search(r"\.\.\. and \d+ more", err), err
+
+
+def test_unknown_parser_name_is_rejected_at_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n')
+    assert main(["validate", str(src), "--reasoning-parser", "no_such_parser"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_parser" in err and "deepseek_r1" in err and "Traceback" not in err

@@ -34,8 +34,25 @@ setup_venv() {
         done
     fi
     exec 9>&-
-    ln -sfn "$venv" "$repo/.venv"
-    # The project itself, editable, so the venv always runs this clone's code.
-    "$repo/.venv/bin/pip" install --quiet --no-deps --no-build-isolation -e "$repo" >/dev/null
+    link_clone_venv "$venv"
 }
 
+# Each clone gets its own small venv at .venv: it sees the shared venv's packages through a .pth
+# file and holds only this clone's editable install, so two clones never run each other's code.
+link_clone_venv() {
+    local shared="$1" clone="$repo/.venv" site
+    if [[ -L "$clone" || "$(cat "$clone/.shared" 2>/dev/null)" != "$shared" ]]; then
+        rm -rf "$clone"
+        "$shared/bin/python" -m venv --without-pip "$clone"
+        site="$("$clone/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        # An "import" line in a .pth file runs at start-up: addsitedir also reads the shared .pth files.
+        "$shared/bin/python" -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+            > "$site/anex-shared-venv.pth"
+        # Commands of the shared packages (ruff, vllm, ...) next to this venv's python.
+        for tool in "$shared"/bin/*; do
+            [[ -e "$clone/bin/$(basename "$tool")" ]] || ln -s "$tool" "$clone/bin/"
+        done
+        echo "$shared" > "$clone/.shared"
+    fi
+    "$clone/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >/dev/null
+}

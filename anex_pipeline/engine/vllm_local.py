@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from anex_pipeline.completions import Generated, body_for, embedding_response
+from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, engine_failure, rejected
 from anex_pipeline.parsing import (
     NOTICE_TEXT,
@@ -369,9 +369,7 @@ class VllmLocalEngine:
             return Parsed(content=text)
 
     def _embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vector: Any) -> RowOutcome:
-        values = [float(x) for x in vector]
-        norm = sum(x * x for x in values) ** 0.5 or 1.0
-        values = [x / norm for x in values]
+        values = unit_vector(vector)
         body = embedding_response(self.model_name, values, prompt_tokens)
         return RowOutcome(
             index=req.index, key=req.key, status_code=200, body=body, usage={"prompt_tokens": prompt_tokens}
