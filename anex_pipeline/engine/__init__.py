@@ -29,6 +29,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
     first so two models never hold memory at once. An HTTP engine is only a client of its server."""
     with _lock:
+        if settings in _loaded and getattr(_loaded[settings], "dead", False):
+            progress.info("the engine for %s died; loading it again", _loaded[settings].model_name)
+            _shutdown(_loaded.pop(settings))
         if settings in _loaded:
             return _loaded[settings]
         if isinstance(settings, HttpSettings):
@@ -57,4 +60,7 @@ def release_engines() -> None:
 def _shutdown(engine: Engine) -> None:
     stop = getattr(engine, "shutdown", None)
     if stop is not None:
-        stop()
+        try:
+            stop()
+        except Exception as exc:  # a dead engine may fail to stop cleanly; it is dropped all the same
+            progress.info("shutting down %s failed: %s", engine.model_name, exc)

@@ -138,6 +138,7 @@ class VllmLocalEngine:
         config = self.llm.llm_engine.model_config
         self.max_model_len: int = config.max_model_len
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
+        self.dead = False
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
         names = ParserNames(settings.reasoning_parser, settings.tool_parser)
         # vLLM's server reads GPT-OSS output as harmony channels; so do we.
@@ -259,7 +260,14 @@ class VllmLocalEngine:
                 outcomes[req.index] = rejected(req, p.message, p.param)
                 continue
             ready.append((req, ids, params))
-        for req, outcome in self._run_isolating(ready):
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            finished = self._run_isolating(ready)
+        except EngineDeadError:
+            self.dead = True  # load_engine replaces a dead engine; the shard's retry gets a new one
+            raise
+        for req, outcome in finished:
             outcomes[req.index] = outcome
         return [outcomes[r.index] for r in requests]
 

@@ -1,0 +1,43 @@
+"""The per-process engine cache: one engine per settings, other models shut down first, and an
+engine that died replaced by a new one on the next request for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from anex_pipeline import engine as engines
+from anex_pipeline.engine import EngineSettings, load_engine, release_engines
+
+
+class StubEngine:
+    def __init__(self, settings: EngineSettings):
+        self.model_name = settings.model_name
+        self.dead = False
+        self.stopped = False
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+@pytest.fixture(autouse=True)
+def stub_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("anex_pipeline.engine.vllm_local.VllmLocalEngine", StubEngine)
+    yield
+    release_engines()
+
+
+def test_same_settings_share_one_engine_and_another_model_replaces_it() -> None:
+    a = EngineSettings(model="/models/a", model_name="a")
+    first = load_engine(a)
+    assert load_engine(a) is first
+    other = load_engine(EngineSettings(model="/models/b", model_name="b"))
+    assert other is not first and first.stopped  # two models never hold memory at once
+    assert list(engines._loaded.values()) == [other]
+
+
+def test_a_dead_engine_is_shut_down_and_loaded_again() -> None:
+    a = EngineSettings(model="/models/a", model_name="a")
+    first = load_engine(a)
+    first.dead = True  # what VllmLocalEngine.run sets when vLLM raises EngineDeadError
+    second = load_engine(a)
+    assert second is not first and first.stopped and not second.dead
