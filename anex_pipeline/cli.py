@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,11 +215,10 @@ def _runner(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from anex_pipeline.runner import StepFailed
-
     raw = collect_options(args)
     runner = _runner(args)
-    try:
+
+    def run() -> Any:
         log = logging.getLogger("anex_pipeline.progress")
         log.info("checking %s", args.input)
         job = runner.submit(args.input, args.output, raw, args.report)
@@ -230,20 +230,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             len(manifest.shards),
             manifest.model_name,
         )
-        report = runner.run(job)
-    except StepFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_STOPPED
-    finally:
-        runner.close()
-    return _finish(report)
+        return runner.run(job)
+
+    return _report_of(runner, run)
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from anex_pipeline.runner import StepFailed
-
     runner = _runner(args)
-    try:
+
+    def backfill() -> Any:
         job = runner.storage.job(args.job_id)
         if not job.exists():
             raise UsageError(f"no job {args.job_id} under {runner.storage.work_root}; `run` prints the job id")
@@ -258,7 +253,17 @@ def cmd_backfill(args: argparse.Namespace) -> int:
         else:
             shards = runner.unfinished_shards(job)
         logging.getLogger("anex_pipeline.progress").info("rerunning shards %s", shards or "none (all finished)")
-        report = runner.run(job, shards=shards)
+        return runner.run(job, shards=shards)
+
+    return _report_of(runner, backfill)
+
+
+def _report_of(runner: Any, work: Callable[[], Any]) -> int:
+    """Runs a job action, always releasing the engine; prints the report and picks the exit code."""
+    from anex_pipeline.runner import StepFailed
+
+    try:
+        report = work()
     except StepFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_STOPPED
