@@ -4,6 +4,7 @@ and a rerun (or a resume after a crash) only runs rows that are missing or faile
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -72,8 +73,11 @@ def run_shard(
         progress(done, rng.size)
     chunk_rows = chunk_rows or options.checkpoint_rows
     for start in range(0, len(todo), chunk_rows):
+        late = job.out_of_time()
+        if late and not job.stop_path.exists():
+            job.record_stop(late)
         if job.stop_path.exists():
-            raise JobStopped(f"stop requested: {job.stop_path.read_text()}")
+            raise JobStopped(json.loads(job.stop_path.read_text())["reason"])
         chunk = todo[start : start + chunk_rows]
         chunk, failed = media.attach_media(chunk, options.media, media_failures)
         requests = [resolve_request(r, manifest.job_id, manifest.endpoint, options, max_tokens, budget) for r in chunk]

@@ -77,10 +77,11 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def make_job_id(input_path: Path, input_sha: str, output: str, options: dict[str, Any]) -> str:
-    """A stable id: the same input, output and options give the same job (so a rerun resumes)."""
+def make_job_id(input_path: Path, *identity: Any) -> str:
+    """A stable id from the input's name and what identifies the job (for the CLI: the input's
+    content and the options), so that running the same job again resumes it."""
     stem = re.sub(r"[^A-Za-z0-9_-]+", "-", input_path.name.split(".")[0]).strip("-")[:40] or "job"
-    fingerprint = json.dumps([input_sha, output, options], sort_keys=True)
+    fingerprint = json.dumps(identity, sort_keys=True)
     return f"{stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:10]}"
 
 
@@ -142,6 +143,25 @@ class JobDir:
     def read_checkpoint(self, shard: int) -> dict[int, RowOutcome]:
         """The latest outcome per row index; a torn last line (a killed writer) is ignored."""
         return read_outcomes(self.checkpoint_path(shard))
+
+    @property
+    def deadline_path(self) -> Path:
+        return self.root / "deadline.json"
+
+    def start_clock(self, time_limit_s: float | None) -> None:
+        """Starts the job's time limit (if it has one) from now: each run of the job gets it whole."""
+        self.deadline_path.unlink(missing_ok=True)
+        if time_limit_s is not None:
+            atomic_write_text(self.deadline_path, json.dumps({"at": time.time() + time_limit_s, "limit": time_limit_s}))
+
+    def out_of_time(self) -> str | None:
+        """Why the job must stop now because of its time limit, or None."""
+        if not self.deadline_path.exists():
+            return None
+        deadline = json.loads(self.deadline_path.read_text())
+        if time.time() < deadline["at"]:
+            return None
+        return f"the job's time limit of {deadline['limit']:g} s was reached"
 
     def record_stop(self, reason: str) -> None:
         atomic_write_text(self.stop_path, json.dumps({"reason": reason, "at": time.time()}))
@@ -238,9 +258,16 @@ def prepare_job(
     kind, endpoint, rows = check_input(input_path, options)
     sha = file_sha256(input_path)
     raw_options = options.model_dump(exclude_defaults=True)
-    job_id = job_id or make_job_id(input_path, sha, output, raw_options)
+    # The output is not part of the id: a job whose result could not be written resumes, with
+    # every finished row, when it is run again towards a location that works.
+    job_id = job_id or make_job_id(input_path, sha, raw_options)
     job = JobDir(work_root, job_id)
     if job.exists() and job.manifest().input_sha256 == sha:
+        manifest = job.manifest()
+        report_path = report or default_report_path(output)
+        if (manifest.output, manifest.report) != (output, report_path):
+            moved = manifest.model_copy(update={"output": output, "report": report_path})
+            atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
         return job
     job.root.mkdir(parents=True, exist_ok=True)
     staging = job.root / "rows.staging.jsonl"

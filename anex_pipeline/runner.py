@@ -54,6 +54,7 @@ class JobRunner:
         manifest = job.manifest()
         self._register(job)
         job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
+        job.start_clock(manifest.job_options().time_limit_s)
         try:
             self._execute("estimate_job", job.job_id)
             chosen = range(len(manifest.shards)) if shards is None else shards

@@ -74,6 +74,7 @@ class JobOptions(_Strict):
     estimate_sample_size: int = Field(default=100, ge=4, le=4096)
     estimate_seed: int = 0
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
+    time_limit_s: float | None = Field(default=None, gt=0)
     prices: Prices | None = None
 
     def sampling_defaults(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ into place; an S3 object appears whole when its upload completes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -44,7 +45,8 @@ def publish(src: Path, dest: str, s3_client: Any = None) -> str:
             os.fsync(fout.fileno())
         os.replace(tmp, target)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the temp file may not even be creatable there
+            tmp.unlink(missing_ok=True)
         raise OutputNotWritable(
             f"cannot write the result to {target}: {exc.strerror or exc}; the finished rows are kept in "
             f"{src.parent} and the job can be finished again once the location is writable"

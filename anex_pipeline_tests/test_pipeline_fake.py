@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -125,3 +126,53 @@ def test_backfill_command_reruns_only_unfinished_shards(
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 30
     assert cli.main(["backfill", job.job_id, "--shards", "7"]) == 2
     assert cli.main(["backfill", "no-such-job"]) == 2
+
+
+class SlowEngineResource(FakeEngineResource):
+    """The fake engine, taking 0.2 s per call, so that a time limit falls in the middle of a job."""
+
+    def engine_for(self, manifest):  # type: ignore[no-untyped-def]
+        engine = super().engine_for(manifest)
+
+        class Slow:
+            model_name = engine.model_name
+
+            def run(self, requests):  # type: ignore[no-untyped-def]
+                time.sleep(0.2)
+                return engine.run(requests)
+
+        return Slow()
+
+
+def test_time_limit_stops_early_and_delivers_finished_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SlowEngineResource())
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q {i}", max_tokens=20) for i in range(100)])
+    out = tmp_path / "out.jsonl"
+    job = runner.submit(str(src), str(out), {"time_limit_s": 1.0, "checkpoint_rows": 5, "shards": 2})
+    report = runner.run(job)
+    assert report.status == "stopped_early"
+    assert "time limit of 1 s" in (report.failure_reason or "")
+    delivered = [line["custom_id"] for line in read_jsonl(out)]
+    assert 0 < len(delivered) < 100
+    assert delivered == [f"t{i}" for i in range(100) if f"t{i}" in set(delivered)]  # in order, once
+    for _ in range(40):  # each run gets the whole limit again and carries on where the last stopped
+        if runner.run(job).status == "completed":
+            break
+    assert [line["custom_id"] for line in read_jsonl(out)] == [f"t{i}" for i in range(100)]
+
+
+def test_unwritable_output_fails_clearly_and_loses_nothing(tmp_path: Path, fake_runner: JobRunner) -> None:
+    from anex_pipeline.runner import StepFailed
+
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"u{i}", f"q {i}", max_tokens=20) for i in range(12)])
+    (tmp_path / "a-file").write_text("not a folder")
+    job = fake_runner.submit(str(src), str(tmp_path / "a-file" / "out.jsonl"), {})
+    engine = shared_fake_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(StepFailed, match="cannot write the result"):
+        fake_runner.run(job)
+    generated = len(engine.seen)
+    again = fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {})
+    assert again.job_id == job.job_id  # the same job, now pointed at a writable place
+    assert fake_runner.run(again).status == "completed"
+    assert len(engine.seen) == generated  # nothing was generated twice
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 12

@@ -16,7 +16,7 @@ from anex_pipeline import media
 from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.estimate import estimate_lengths
-from anex_pipeline.generate import run_shard
+from anex_pipeline.generate import JobStopped, run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.ledger import account_rows
 from anex_pipeline.merge import merge_job, record_timing, result_path
@@ -75,6 +75,7 @@ def validated_input(
             job = prepare_job(
                 local, config.output, options, job.root.parent, report=config.report or None, job_id=job.job_id
             )
+            job.start_clock(options.time_limit_s)  # launched from Dagster: the limit runs from submission
         except JobRejected as exc:
             raise dg.Failure(description=exc.render(), metadata={"problems": exc.total}) from None
     elif not job.exists():
@@ -151,7 +152,10 @@ def generations(
         progress_log.info("shard %s: %d/%d rows", shard, done, total)
         context.log.info(f"{done}/{total} rows done")
 
-    summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
+    try:
+        summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
+    except JobStopped as exc:  # cancelled or out of time: retrying would not help
+        raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
     record_timing(job, "generate", summary.seconds)
     return dg.MaterializeResult(metadata=summary.as_metadata())
 
