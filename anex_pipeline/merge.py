@@ -36,10 +36,12 @@ class _Tally:
         self.rows: Counter[str] = Counter()
         self.tokens: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.lengths: Counter[int] = Counter()  # completion tokens -> rows: bounded by the cap
 
     def add(self, o: RowOutcome) -> RowOutcome:
         if o.error is None:
             self.rows["completed"] += 1
+            self.lengths[o.usage.get("completion_tokens", 0)] += 1
             self.rows["format_error_rows"] += o.format_error
         else:
             self.rows["failed"] += 1
@@ -57,6 +59,21 @@ class _Tally:
     @property
     def usage(self) -> Usage:
         return Usage(**self.tokens)
+
+    def length_percentiles(self) -> dict[str, int]:
+        total = sum(self.lengths.values())
+        if not total:
+            return {}
+        wanted = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+        found: dict[str, int] = {}
+        seen = 0
+        for length in sorted(self.lengths):
+            seen += self.lengths[length]
+            for name, q in wanted.items():
+                if name not in found and seen >= q * total:
+                    found[name] = length
+        found["max"] = max(self.lengths)
+        return found
 
 
 def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[RowOutcome]:
@@ -123,6 +140,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         estimate=read_estimate(job),
         timings=timings,
         throughput=throughput,
+        output_tokens=tally.length_percentiles(),
         cost=_cost(manifest, usage),
     )
 

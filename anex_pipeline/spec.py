@@ -233,4 +233,6 @@ class JobReport(BaseModel):
     estimate: EstimateReport = Field(default_factory=EstimateReport)
     timings: dict[str, float] = Field(default_factory=dict)
     throughput: Throughput = Field(default_factory=Throughput)
+    # Completion lengths of the rows that completed: p50, p90, p95, p99 and max output tokens.
+    output_tokens: dict[str, int] = Field(default_factory=dict)
     cost: float | None = None

@@ -176,3 +176,17 @@ def test_unwritable_output_fails_clearly_and_loses_nothing(tmp_path: Path, fake_
     assert fake_runner.run(again).status == "completed"
     assert len(engine.seen) == generated  # nothing was generated twice
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 12
+
+
+def test_report_and_metadata_show_output_length_percentiles(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    rows = [chat_row(f"p{i}", " ".join(["w"] * (i % 10 + 1)), max_tokens=50) for i in range(100)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), FakeEngineResource())
+    report = runner.run(runner.submit(str(src), str(tmp_path / "out.jsonl"), {}))
+    lengths = [line["response"]["body"]["usage"]["completion_tokens"] for line in read_jsonl(tmp_path / "out.jsonl")]
+    assert report.output_tokens["max"] == max(lengths)
+    assert report.output_tokens["p50"] == sorted(lengths)[49]
+    assert report.output_tokens["p90"] <= report.output_tokens["p95"] <= report.output_tokens["p99"] <= max(lengths)
+    events = instance.fetch_materializations(dg.AssetKey("merged_result"), limit=1).records
+    table = events[0].asset_materialization.metadata["output_lengths"].value
+    assert table.startswith("| p50 | p90 | p95 | p99 | max |")

@@ -219,7 +219,17 @@ def report_metadata(report: JobReport, where: object) -> dict[str, Any]:
         "completion_tokens": report.usage.completion_tokens,
         "result": dg.MetadataValue.path(str(where)),
         "report": dg.MetadataValue.json(report.model_dump()),
+        "output_lengths": dg.MetadataValue.md(_length_table(report)),
     }
+
+
+def _length_table(report: JobReport) -> str:
+    """Output tokens of the completed rows, as a small Markdown table for the asset's page."""
+    lengths = report.output_tokens
+    if not lengths:
+        return "no completed rows"
+    header = "| " + " | ".join(lengths) + " |"
+    return "\n".join([header, "|" + "---|" * len(lengths), "| " + " | ".join(str(v) for v in lengths.values()) + " |"])
 
 
 all_assets = [validated_input, fetched_media, length_estimate, generations, merged_result, result_file]
