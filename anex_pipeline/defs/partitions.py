@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import dagster as dg
 
 from anex_pipeline.jobs import shard_key
@@ -13,8 +15,11 @@ job_partitions = dg.DynamicPartitionsDefinition(name=JOBS)
 shard_partitions = dg.StaticPartitionsDefinition([shard_key(n) for n in range(MAX_SHARDS)])
 job_shard_partitions = dg.MultiPartitionsDefinition({"job": job_partitions, "shard": shard_partitions})
 
-# A job-level asset reads every shard partition of its own job.
-all_shards_of_job = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="job")
+# A job-level asset reads every shard partition of its own job. (The mapping is marked beta; its
+# warning would print on every command, so it is silenced here, where it is chosen on purpose.)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", dg.BetaWarning)
+    all_shards_of_job = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="job")
 
 
 def job_shard_key(job_id: str, shard: int) -> dg.MultiPartitionKey:
