@@ -16,7 +16,6 @@ link-local or cloud-metadata address is refused before a byte is sent to it, unl
 from __future__ import annotations
 
 import base64
-import email.utils
 import ipaddress
 import mimetypes
 import os
@@ -40,6 +39,7 @@ import httpcore
 import httpx
 
 from anex_pipeline.formats import InputRow
+from anex_pipeline.http_retry import retry_after_seconds
 from anex_pipeline.jobs import JobDir, append_outcomes, read_outcomes
 from anex_pipeline.models import cache_root
 from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
@@ -492,15 +492,9 @@ def _phrase(status: int) -> str:
 
 def _retry_wait(retry_after: str | None, attempt: int) -> float:
     """Seconds to wait: the server's Retry-After (seconds or an HTTP date), else jittered backoff."""
-    if retry_after:
-        try:
-            return max(0.0, float(retry_after))
-        except ValueError:
-            pass
-        try:
-            return max(0.0, email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time())
-        except (TypeError, ValueError):
-            pass
+    asked = retry_after_seconds(retry_after)
+    if asked is not None:
+        return asked
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
 
 

@@ -10,7 +10,6 @@ an error answer becomes the row's error with the server's status code.
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import random
 import re
@@ -24,6 +23,7 @@ import httpx
 
 from anex_pipeline.completions import unit_vector
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.http_retry import retry_after_seconds
 from anex_pipeline.spec import RowError, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class OpenAIHttpEngine:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _wait(self, attempt: int, response: httpx.Response | None) -> float:
-        asked = retry_after(response) if response is not None else None
+        asked = retry_after_seconds(response.headers.get("retry-after")) if response is not None else None
         if asked is None:
             asked = self.settings.backoff_s * 2**attempt * random.uniform(0.5, 1.0)
         return min(asked, self.settings.max_wait_s)
@@ -227,22 +227,6 @@ def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:
         counts["reasoning_tokens"] = int(reasoning)
     counts["cached_prompt_tokens"] = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return counts
-
-
-def retry_after(response: httpx.Response) -> float | None:
-    """Seconds the server asked us to wait (``Retry-After`` as seconds or as an HTTP date)."""
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _retryable(status: int) -> bool:
