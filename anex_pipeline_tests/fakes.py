@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from anex_pipeline.completions import Generated, body_for, embedding_response
+from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.defs.resources import EngineResource
 from anex_pipeline.engine.base import Engine, EngineRequest, rejected
 from anex_pipeline.jobs import JobManifest
@@ -36,8 +36,7 @@ class FakeEngine:
         if req.endpoint == "embeddings":
             text = req.body["input"]
             vec = [float(len(text)), float(sum(map(ord, text)) % 97), 1.0]
-            norm = sum(x * x for x in vec) ** 0.5
-            body = embedding_response(self.model_name, [x / norm for x in vec], len(text.split()))
+            body = embedding_response(self.model_name, unit_vector(vec), len(text.split()))
             return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": len(text.split())})
         if req.endpoint == "chat" and (urls := [r.url for r in media_references(req.body) if r.remote]):
             return rejected(req, f"the engine was handed a media URL instead of data: {urls[0]}", "messages")
