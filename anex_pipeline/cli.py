@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="print the report of a finished job")
     rep.add_argument("path", help="the result file or its .report.json")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible Batch API; batches run as jobs here")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--keys-file",
+        default=None,
+        help="API keys, one per line (a key, or sha256:<hex> of one); default $ANEX_BATCH_API_KEYS "
+        "(comma-separated), else the keys stored at the last start",
+    )
+    srv.add_argument("--quiet", action="store_true", help="no progress lines")
+    srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _engine_flags(srv)
     return parser
 
 
@@ -239,7 +252,10 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     runner = _runner(args)
 
     def backfill() -> Any:
-        job = runner.storage.job(args.job_id)
+        try:
+            job = runner.storage.job(args.job_id)
+        except ValueError as exc:  # not a name a job folder can have
+            raise UsageError(str(exc)) from None
         if not job.exists():
             raise UsageError(f"no job {args.job_id} under {runner.storage.work_root}; `run` prints the job id")
         if args.shards:
@@ -266,6 +282,13 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
         report = work()
     except StepFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    except OSError as exc:  # the work folder cannot be written, e.g. its disk is full
+        print(
+            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; the rows finished so "
+            "far are kept: make room (or fix the location) and run the same command again to resume",
+            file=sys.stderr,
+        )
         return EXIT_STOPPED
     finally:
         runner.close()
@@ -315,11 +338,43 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from anex_pipeline.batch_api.app import create_app
+
+    keys: list[str] | None = None
+    if args.keys_file:
+        try:
+            lines = Path(args.keys_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise UsageError(f"cannot read keys file {args.keys_file}: {exc.strerror}") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    elif os.environ.get("ANEX_BATCH_API_KEYS"):
+        keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    runner = _runner(args)
+    try:
+        app = create_app(runner, keys)
+    except ValueError as exc:  # no API keys: nothing is loaded yet
+        raise UsageError(str(exc)) from None
+    try:
+        uvicorn.run(app, host=args.host, port=args.port)
+    finally:
+        runner.close()
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     from anex_pipeline.spec import JobRejected
 
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "validate": cmd_validate, "backfill": cmd_backfill, "report": cmd_report}
+    handlers = {
+        "run": cmd_run,
+        "validate": cmd_validate,
+        "backfill": cmd_backfill,
+        "report": cmd_report,
+        "serve": cmd_serve,
+    }
     try:
         return handlers[args.command](args)
     except JobRejected as exc:

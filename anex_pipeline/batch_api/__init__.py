@@ -1,0 +1,1 @@
+"""An OpenAI-compatible Batch API in front of the pipeline: ``anex-pipeline serve`` (see README)."""

@@ -1,0 +1,346 @@
+"""The HTTP routes of the OpenAI-compatible Batch API, as an ASGI app (Starlette).
+
+The routes are the ones the ``openai`` SDK calls for batches: upload a file, create a batch from
+it (or from requests embedded in the body), follow it, cancel it, download its output and error
+files. Every error is answered in OpenAI's shape, so the SDK raises its usual exceptions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from anex_pipeline.batch_api.objects import ApiError, BatchRecord, CreateBatch, new_id, not_found, now
+from anex_pipeline.batch_api.store import Store, key_hash
+from anex_pipeline.batch_api.worker import BatchWorker
+from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import ENDPOINT_BY_URL, JobRejected
+from anex_pipeline.validate import parse_options
+
+OPTIONS_METADATA_KEY = "anex_options"
+MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
+MAX_METADATA_PAIRS = 16
+
+
+class BatchApi:
+    """The routes' logic, on one store and one worker."""
+
+    def __init__(self, store: Store, worker: BatchWorker, key_hashes: frozenset[str]):
+        self.store = store
+        self.worker = worker
+        self.key_hashes = key_hashes
+
+    def owner(self, request: Request) -> str:
+        """The hash of the caller's API key, or a 401."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401,
+                "No API key was given: send it in the header 'Authorization: Bearer <key>' "
+                "(the SDK does this with OpenAI(api_key=...)).",
+                code="missing_api_key",
+            )
+        owner = key_hash(key.strip())
+        if owner not in self.key_hashes:
+            raise ApiError(401, "The API key is not valid for this service.", code="invalid_api_key")
+        return owner
+
+    # -- files -------------------------------------------------------------------------------------
+    async def create_file(self, request: Request) -> Response:
+        owner = self.owner(request)
+        form = await request.form()
+        upload, purpose = form.get("file"), form.get("purpose")
+        if purpose != "batch":
+            raise ApiError(
+                400, f"purpose must be 'batch' (got {purpose!r}): files here are batch inputs.", param="purpose"
+            )
+        if not isinstance(upload, UploadFile):
+            raise ApiError(400, "Send the file's bytes in the multipart field 'file'.", param="file")
+        record = await run_in_threadpool(
+            self.store.add_file, owner, upload.filename or "upload.jsonl", "batch", upload.file
+        )
+        return JSONResponse(record.public())
+
+    async def retrieve_file(self, request: Request) -> Response:
+        record = await run_in_threadpool(self._file, request)
+        return JSONResponse(record.public())
+
+    async def file_content(self, request: Request) -> Response:
+        record = await run_in_threadpool(self._file, request)
+        return FileResponse(self.store.content_path(record.id), media_type="application/octet-stream")
+
+    def _file(self, request: Request) -> Any:
+        file_id = request.path_params["file_id"]
+        record = self.store.file(self.owner(request), file_id)
+        if record is None:
+            raise not_found("file", file_id)
+        return record
+
+    # -- batches -----------------------------------------------------------------------------------
+    async def create_batch(self, request: Request) -> Response:
+        owner = self.owner(request)
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        try:
+            body = CreateBatch.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise ApiError(400, f"'{param}': {first['msg']}", param=param) from None
+        idempotency_key = request.headers.get("idempotency-key")
+        record = await run_in_threadpool(self._create_batch, owner, body, idempotency_key)
+        return JSONResponse(await run_in_threadpool(self.show, record))
+
+    def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
+        if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
+            return earlier
+        options = job_options(body)
+        batch_id = new_id("batch_")
+        if body.requests is not None:
+            input_file_id = self._embedded_input(owner, batch_id, body)
+        else:
+            input_file_id = body.input_file_id or ""
+            found = self.store.file(owner, input_file_id)
+            if found is None:
+                raise not_found("file", input_file_id)
+            if found.purpose != "batch":
+                raise ApiError(
+                    400, f"File {input_file_id} is a {found.purpose} file, not a batch input.", param="input_file_id"
+                )
+        record = BatchRecord(
+            id=batch_id,
+            owner=owner,
+            endpoint=body.endpoint,
+            input_file_id=input_file_id,
+            completion_window=body.completion_window,
+            created_at=now(),
+            metadata=body.metadata,
+            model=options.get("model"),
+            options=options,
+            embedded=body.requests is not None,
+        )
+        stored = self.store.add_batch(record, idempotency_key)
+        if stored.id == batch_id:
+            self.worker.enqueue(stored)
+        return stored
+
+    def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> str:
+        """Writes embedded requests as a batch input file (requests[N] is line N+1 in its errors)."""
+        if not body.requests:
+            raise ApiError(400, "'requests' must hold at least one {custom_id, body} item.", param="requests")
+        lines = [json.dumps({"method": "POST", "url": body.endpoint, **item}) + "\n" for item in body.requests]
+        data = io.BytesIO("".join(lines).encode("utf-8"))
+        return self.store.add_file(owner, f"{batch_id}_requests.jsonl", "batch", data).id
+
+    async def retrieve_batch(self, request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(lambda: self.show(self._batch(request), with_results=True)))
+
+    async def cancel_batch(self, request: Request) -> Response:
+        def cancel() -> dict[str, Any]:
+            record = self._batch(request)
+            if record.finished and record.cancelling_at is None:
+                raise ApiError(
+                    400, f"Batch {record.id} is already {record.status}; only a running batch can be cancelled."
+                )
+            return self.show(self.worker.cancel(record))
+
+        return JSONResponse(await run_in_threadpool(cancel))
+
+    async def list_batches(self, request: Request) -> Response:
+        owner = self.owner(request)
+        after = request.query_params.get("after")
+        limit_text = request.query_params.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise ApiError(400, f"limit must be a whole number from 1 to 100, got {limit_text!r}.", param="limit")
+
+        def page() -> dict[str, Any]:
+            records, more = self.store.batches(owner, after, int(limit_text))
+            data = [self.show(r) for r in records]
+            first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+            return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
+
+        return JSONResponse(await run_in_threadpool(page))
+
+    def _batch(self, request: Request) -> BatchRecord:
+        batch_id = request.path_params["batch_id"]
+        record = self.store.batch(batch_id, self.owner(request))
+        if record is None:
+            raise not_found("batch", batch_id)
+        return record
+
+    def show(self, record: BatchRecord, *, with_results: bool = False) -> dict[str, Any]:
+        """The Batch object; a retrieved batch that was created with embedded requests also lists
+        its delivered rows once it is finished."""
+        counts, report = self.worker.progress(record)
+        shown = record.public(counts, report)
+        if with_results and record.embedded and record.finished:
+            shown["results"] = self.worker.results(record)
+        return shown
+
+
+def job_options(body: CreateBatch) -> dict[str, Any]:
+    """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
+    the ``anex_options`` body field over it, the batch's endpoint and ``model``; checked here."""
+    if body.endpoint not in ENDPOINT_BY_URL:
+        supported = ", ".join(ENDPOINT_BY_URL)
+        raise ApiError(
+            400, f"endpoint {body.endpoint!r} is not supported here; use one of {supported}.", param="endpoint"
+        )
+    if body.completion_window != "24h":
+        raise ApiError(
+            400, f"completion_window must be '24h', got {body.completion_window!r}.", param="completion_window"
+        )
+    if (body.input_file_id is None) == (body.requests is None):
+        raise ApiError(
+            400, "Give either input_file_id or the embedded requests, not both and not neither.", param="input_file_id"
+        )
+    metadata = body.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ApiError(
+            400, f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed.", param="metadata"
+        )
+    options: dict[str, Any] = {}
+    if OPTIONS_METADATA_KEY in metadata:
+        try:
+            options = json.loads(metadata[OPTIONS_METADATA_KEY])
+        except json.JSONDecodeError as exc:
+            raise ApiError(
+                400,
+                f"metadata.{OPTIONS_METADATA_KEY} is not valid JSON: {exc.msg}.",
+                param=f"metadata.{OPTIONS_METADATA_KEY}",
+            ) from None
+        if not isinstance(options, dict):
+            raise ApiError(
+                400,
+                f"metadata.{OPTIONS_METADATA_KEY} must be a JSON object of job options.",
+                param=f"metadata.{OPTIONS_METADATA_KEY}",
+            )
+    options.update(body.anex_options or {})
+    if body.model is not None:
+        options.setdefault("model", body.model)
+    endpoint = ENDPOINT_BY_URL[body.endpoint]
+    if options.setdefault("endpoint", endpoint) != endpoint:
+        raise ApiError(
+            400,
+            f"the job option endpoint {options['endpoint']!r} contradicts the batch's endpoint {body.endpoint}.",
+            param="anex_options.endpoint",
+        )
+    try:
+        return parse_options(options).model_dump(exclude_defaults=True)
+    except JobRejected as exc:
+        raise ApiError(
+            400, "The job options are not valid: " + "; ".join(str(p) for p in exc.problems), param=OPTIONS_METADATA_KEY
+        ) from None
+
+
+class BodyLimit:
+    """Refuses request bodies over a size (413): uploads to /v1/files, and everything else."""
+
+    def __init__(self, app: ASGIApp, upload_bytes: int, body_bytes: int):
+        self.app = app
+        self.upload_bytes = upload_bytes
+        self.body_bytes = body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.upload_bytes if scope["path"].rstrip("/") == "/v1/files" else self.body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await error_response(too_large(limit))(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:  # a body sent in chunks without a declared length
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"The request body is larger than this service accepts ({limit:,} bytes).", code="request_too_large"
+    )
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status)
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(
+        ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    )
+
+
+def create_app(
+    runner: JobRunner,
+    api_keys: Iterable[str] | None = None,
+    *,
+    max_upload_bytes: int = MAX_UPLOAD_BYTES,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> Starlette:
+    """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
+    ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid."""
+    store = Store(runner.instance, runner.storage.work_root)
+    if api_keys is not None:
+        store.set_keys(api_keys)
+    key_hashes = store.key_hashes()
+    if not key_hashes:
+        raise ValueError(
+            "no API keys: start the service with --keys-file or ANEX_BATCH_API_KEYS "
+            "(none are stored from an earlier start)"
+        )
+    worker = BatchWorker(runner, store)
+    api = BatchApi(store, worker, key_hashes)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await run_in_threadpool(worker.close)
+
+    routes = [
+        Route("/v1/files", api.create_file, methods=["POST"]),
+        Route("/v1/files/{file_id}", api.retrieve_file, methods=["GET"]),
+        Route("/v1/files/{file_id}/content", api.file_content, methods=["GET"]),
+        Route("/v1/batches", api.create_batch, methods=["POST"]),
+        Route("/v1/batches", api.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", api.retrieve_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", api.cancel_batch, methods=["POST"]),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(BodyLimit, upload_bytes=max_upload_bytes, body_bytes=max_body_bytes)],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,179 @@
+"""Where the Batch API keeps what must survive a restart.
+
+Records (files, batches, the hashed API keys, idempotency keys and the indexes that list them) are
+JSON values in the Dagster instance's own key-value store (``run_storage.set_cursor_values``),
+which works on SQLite and PostgreSQL alike. File contents live on disk under the storage
+resource's work root, in ``batch-api/files/``. One service process per instance: every access to
+the store goes through one lock of this process, which also keeps an in-memory SQLite instance
+(tests) from refusing a read while another thread writes ("table is locked").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+import dagster as dg
+
+from anex_pipeline.batch_api.objects import BatchRecord, FileRecord, new_id, now
+
+PREFIX = "anex.batch_api."
+HASH_PREFIX = "sha256:"
+
+
+def key_hash(api_key: str) -> str:
+    """How an API key is stored and how its owner is named: the sha256 of the key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def configured_hash(entry: str) -> str:
+    """The hash of a configured key: ``sha256:<hex>`` is taken as it is, anything else is hashed."""
+    if entry.startswith(HASH_PREFIX):
+        return entry[len(HASH_PREFIX) :].lower()
+    return key_hash(entry)
+
+
+class Store:
+    def __init__(self, instance: dg.DagsterInstance, work_root: Path | str):
+        self._kv = instance.run_storage
+        self.root = Path(work_root).expanduser() / "batch-api"
+        self._lock = threading.RLock()
+
+    # -- key-value helpers ------------------------------------------------------------------------
+    def _get_many(self, keys: Iterable[str]) -> dict[str, Any]:
+        with self._lock:
+            found = self._kv.get_cursor_values({PREFIX + k for k in keys})
+        return {k[len(PREFIX) :]: json.loads(v) for k, v in found.items()}
+
+    def _get(self, key: str) -> Any:
+        return self._get_many([key]).get(key)
+
+    def _set(self, key: str, value: Any) -> None:
+        # One pair per call: Dagster's upsert of several pairs drops the new ones when any exists.
+        with self._lock:
+            self._kv.set_cursor_values({PREFIX + key: json.dumps(value)})
+
+    def _edit_list(self, key: str, change: Callable[[list[str]], list[str]]) -> None:
+        with self._lock:
+            self._set(key, change(self._get(key) or []))
+
+    # -- API keys ---------------------------------------------------------------------------------
+    def set_keys(self, api_keys: Iterable[str]) -> None:
+        """Makes these keys (raw, or ``sha256:<hex>``) the valid ones; only their hashes are kept."""
+        self._set("keys", sorted({configured_hash(k) for k in api_keys}))
+
+    def key_hashes(self) -> frozenset[str]:
+        return frozenset(self._get("keys") or [])
+
+    # -- files ------------------------------------------------------------------------------------
+    def content_path(self, file_id: str) -> Path:
+        return self.root / "files" / file_id
+
+    def add_file(self, owner: str, filename: str, purpose: str, source: IO[bytes] | Path) -> FileRecord:
+        """Stores the bytes of a file (a stream, or a finished file that is moved in) and its record."""
+        file_id = new_id("file-")
+        target = self.content_path(file_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(source, Path):
+            os.replace(source, target)
+        else:
+            tmp = target.with_name(f".{file_id}.partial")
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        record = FileRecord(
+            id=file_id,
+            owner=owner,
+            filename=filename,
+            purpose=purpose,
+            bytes=target.stat().st_size,
+            created_at=now(),
+        )
+        self._set(f"file.{file_id}", record.model_dump())
+        return record
+
+    def file(self, owner: str, file_id: str) -> FileRecord | None:
+        """The file if it exists and belongs to ``owner``; None otherwise (the two look alike)."""
+        raw = self._get(f"file.{file_id}")
+        record = FileRecord.model_validate(raw) if raw else None
+        return record if record is not None and record.owner == owner else None
+
+    def scratch(self, name: str) -> Path:
+        """A path for a file being written that will become a stored file (see :meth:`add_file`)."""
+        path = self.root / "scratch" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # -- batches ----------------------------------------------------------------------------------
+    def input_path(self, batch_id: str) -> Path:
+        """The batch's own copy of its input: the job's id is made from this file's name."""
+        return self.root / "batches" / f"{batch_id}.jsonl"
+
+    def _idempotency_marker(self, owner: str, idempotency_key: str) -> str:
+        return f"idempotency.{owner}.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+
+    def batch_for_key(self, owner: str, idempotency_key: str) -> BatchRecord | None:
+        """The batch this owner created earlier with this idempotency key, if any."""
+        earlier = self._get(self._idempotency_marker(owner, idempotency_key))
+        return None if earlier is None else self.batch(earlier)
+
+    def output_path(self, batch_id: str) -> Path:
+        """Where the batch's job publishes its whole result (and its report beside it)."""
+        return self.root / "batches" / f"{batch_id}.results.jsonl"
+
+    def add_batch(self, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
+        """Registers a new batch, or returns the one made earlier with the same idempotency key."""
+        copy = self.input_path(record.id)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.content_path(record.input_file_id), copy)  # outside the lock: it may be big
+        with self._lock:
+            if idempotency_key is not None and (earlier := self.batch_for_key(record.owner, idempotency_key)):
+                copy.unlink()
+                return earlier
+            self.put_batch(record)
+            self._edit_list(f"batches.{record.owner}", lambda ids: [*ids, record.id])
+            self._edit_list("active", lambda ids: [*ids, record.id])
+            if idempotency_key is not None:
+                self._set(self._idempotency_marker(record.owner, idempotency_key), record.id)
+            return record
+
+    def put_batch(self, record: BatchRecord) -> None:
+        self._set(f"batch.{record.id}", record.model_dump())
+        if record.finished:
+            self._edit_list("active", lambda ids: [i for i in ids if i != record.id])
+
+    def update_batch(self, batch_id: str, **changes: Any) -> BatchRecord:
+        """Re-reads the record and applies changes, so the worker and a cancel never undo each other."""
+        with self._lock:
+            record = BatchRecord.model_validate(self._get(f"batch.{batch_id}")).model_copy(update=changes)
+            self.put_batch(record)
+            return record
+
+    def batch(self, batch_id: str, owner: str | None = None) -> BatchRecord | None:
+        """The batch (if ``owner`` is given: only when it belongs to that owner)."""
+        raw = self._get(f"batch.{batch_id}")
+        record = BatchRecord.model_validate(raw) if raw else None
+        if record is None or (owner is not None and record.owner != owner):
+            return None
+        return record
+
+    def batches(self, owner: str, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """A page of the owner's batches, newest first, starting after the batch ``after``."""
+        ids = list(reversed(self._get(f"batches.{owner}") or []))
+        start = ids.index(after) + 1 if after in ids else 0 if after is None else len(ids)
+        page = ids[start : start + limit]
+        found = self._get_many(f"batch.{i}" for i in page)
+        records = [BatchRecord.model_validate(found[f"batch.{i}"]) for i in page]
+        return records, start + limit < len(ids)
+
+    def unfinished(self) -> list[BatchRecord]:
+        """Batches that were not finished, oldest first (what a restarted service takes up again)."""
+        return [r for i in self._get("active") or [] if (r := self.batch(i)) is not None and not r.finished]

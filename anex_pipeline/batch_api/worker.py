@@ -1,0 +1,211 @@
+"""Runs batches as ordinary pipeline jobs, one at a time, in background threads of the service.
+
+Two threads: one checks new batches (``JobRunner.submit``: a malformed file fails its batch with
+the line-numbered problems at once, even while another batch is generating), one runs checked
+batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster runs),
+sharing one loaded engine. A cancel writes the job's stop file, which generation checks between
+chunks; the job then ends early and the rows it finished are delivered. Closing the service stops
+the running job the same way but leaves the batch in progress: the next start resumes it from its
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
+from anex_pipeline.batch_api.store import Store
+from anex_pipeline.jobs import JobDir
+from anex_pipeline.merge import result_path
+from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobRejected, JobReport, RequestCounts
+
+log = logging.getLogger("anex_pipeline.batch_api")
+
+MAX_ERRORS = 1000  # line-numbered problems kept on a failed batch
+
+
+class BatchWorker:
+    def __init__(self, runner: JobRunner, store: Store):
+        self.runner = runner
+        self.store = store
+        self._checks: queue.Queue[str | None] = queue.Queue()
+        self._runs: queue.Queue[str | None] = queue.Queue()
+        self._closing = threading.Event()
+        self._running: JobDir | None = None
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._checks, self._check), name="batch-check", daemon=True),
+            threading.Thread(target=self._loop, args=(self._runs, self._run), name="batch-run", daemon=True),
+        ]
+        self._counts: dict[Path, tuple[int, int, int]] = {}  # checkpoint -> (size, completed, failed)
+
+    def start(self) -> None:
+        """Takes up the batches a previous start left unfinished, then waits for new ones."""
+        for record in self.store.unfinished():
+            self.enqueue(record)
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        """Stops the running job at its next chunk (it resumes on the next start) and waits for it."""
+        self._closing.set()
+        running = self._running
+        if running is not None:
+            log.warning("waiting for batch job %s to stop at the end of its current chunk", running.job_id)
+            running.record_stop("the Batch API service stopped; the batch resumes when it starts again")
+        self._checks.put(None)
+        self._runs.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+
+    def enqueue(self, record: BatchRecord) -> None:
+        (self._checks if record.job_id is None else self._runs).put(record.id)
+
+    def cancel(self, record: BatchRecord) -> BatchRecord:
+        """Marks the batch cancelling and asks its job (if it has one yet) to stop."""
+        if record.finished or record.cancelling_at is not None:
+            return record
+        record = self.store.update_batch(record.id, cancelling_at=now())
+        if record.job_id is not None:
+            self.runner.storage.job(record.job_id).record_stop("cancelled through the Batch API")
+        return record
+
+    # -- what a batch shows while it runs --------------------------------------------------------
+    def progress(self, record: BatchRecord) -> tuple[RequestCounts, JobReport | None]:
+        """Row counts of the batch's job: from its report once finished, else from its checkpoints."""
+        if record.job_id is None:
+            return RequestCounts(), None
+        job = self.runner.storage.job(record.job_id)
+        report_file = job.root / "report.json"
+        if record.finished and report_file.exists():
+            report = JobReport.model_validate_json(report_file.read_text())
+            return report.request_counts, report
+        counts = RequestCounts(total=job.manifest().total_rows)
+        for shard in range(len(job.manifest().shards)):
+            completed, failed = self._checkpoint_counts(job, shard)
+            counts.completed += completed
+            counts.failed += failed
+        return counts, None
+
+    def _checkpoint_counts(self, job: JobDir, shard: int) -> tuple[int, int]:
+        """A shard's finished rows, re-read only when its checkpoint has grown since the last look."""
+        path = job.checkpoint_path(shard)
+        size = path.stat().st_size if path.exists() else 0
+        cached = self._counts.get(path)
+        if cached is None or cached[0] != size:
+            outcomes = job.read_checkpoint(shard).values()
+            ok = sum(1 for o in outcomes if o.ok)
+            cached = self._counts[path] = (size, ok, len(outcomes) - ok)
+        return cached[1], cached[2]
+
+    # -- the two threads -------------------------------------------------------------------------
+    def _loop(self, jobs: queue.Queue[str | None], work: Callable[[str], None]) -> None:
+        while (batch_id := jobs.get()) is not None and not self._closing.is_set():
+            try:
+                work(batch_id)
+            except Exception as exc:  # a batch's failure must not end the worker
+                log.exception("batch %s failed", batch_id)
+                self._fail(batch_id, f"the batch could not be run: {exc}")
+
+    def _check(self, batch_id: str) -> None:
+        record = self.store.batch(batch_id)
+        if record is None or record.finished:
+            return
+        if record.cancelling_at is not None:
+            self.store.update_batch(batch_id, cancelled_at=now())
+            return
+        try:
+            job = self.runner.submit(
+                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options
+            )
+        except JobRejected as exc:
+            errors = [
+                BatchError(code="invalid_request", message=p.message, param=p.field, line=p.line)
+                for p in exc.problems[:MAX_ERRORS]
+            ]
+            self.store.update_batch(batch_id, errors=errors, failed_at=now())
+            return
+        record = self.store.update_batch(
+            batch_id, job_id=job.job_id, model=job.manifest().model_name, in_progress_at=now()
+        )
+        if record.cancelling_at is not None:  # cancelled while it was being checked
+            job.record_stop("cancelled through the Batch API")
+        self._runs.put(batch_id)
+
+    def _run(self, batch_id: str) -> None:
+        record = self.store.batch(batch_id)
+        if record is None or record.finished or record.job_id is None:
+            return
+        job = self.runner.storage.job(record.job_id)
+        if record.cancelling_at is None:
+            self._running = job
+            try:
+                self.runner.run(job)
+            finally:
+                self._running = None
+            if self._closing.is_set():
+                return  # not finished: the next start resumes it
+        elif job.estimate_path.exists():
+            self.runner.run(job, shards=[])  # cancelled: merge and publish what was finished
+        self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
+
+    def _finalize(self, record: BatchRecord, job: JobDir) -> None:
+        """Splits the result into the output and error files and sets the final status."""
+        report_file = job.root / "report.json"
+        report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
+        files = self._deliver(record, job) if report is not None else {}
+        if record.cancelling_at is not None:
+            self.store.update_batch(record.id, cancelled_at=now(), **files)
+        elif report is not None and report.status == "completed":
+            self.store.update_batch(record.id, completed_at=now(), **files)
+        elif job.out_of_time() is not None:
+            self.store.update_batch(record.id, expired_at=now(), **files)
+        else:
+            reason = report.failure_reason if report is not None else "the job ended without a report"
+            error = BatchError(code="job_failed", message=reason or "the job failed")
+            self.store.update_batch(record.id, errors=[error], failed_at=now(), **files)
+
+    def _deliver(self, record: BatchRecord, job: JobDir) -> dict[str, str]:
+        """Writes rows with a response to the output file and rows with an error to the error file."""
+        out_path = self.store.scratch(f"{record.id}_output.jsonl")
+        err_path = self.store.scratch(f"{record.id}_error.jsonl")
+        rows = {"output_file_id": 0, "error_file_id": 0}
+        with (
+            result_path(job).open(encoding="utf-8") as src,
+            out_path.open("w", encoding="utf-8") as out,
+            err_path.open("w", encoding="utf-8") as err,
+        ):
+            for line in src:
+                failed = json.loads(line)["error"] is not None
+                (err if failed else out).write(line)
+                rows["error_file_id" if failed else "output_file_id"] += 1
+        delivered = {}
+        for field, path in (("output_file_id", out_path), ("error_file_id", err_path)):
+            if rows[field]:
+                delivered[field] = self.store.add_file(record.owner, path.name, "batch_output", path).id
+            else:
+                path.unlink()
+        return delivered
+
+    def results(self, record: BatchRecord) -> list[dict[str, Any]] | None:
+        """Every delivered row of a finished batch, in input order (shown on batches created with
+        their requests embedded in the body)."""
+        if record.job_id is None or not record.finished:
+            return None
+        path = result_path(self.runner.storage.job(record.job_id))
+        if not path.exists():
+            return []
+        with path.open(encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    def _fail(self, batch_id: str, message: str) -> None:
+        record = self.store.batch(batch_id)
+        if record is not None and not record.finished:
+            self.store.update_batch(batch_id, errors=[BatchError(code="job_failed", message=message)], failed_at=now())

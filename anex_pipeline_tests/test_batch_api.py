@@ -1,0 +1,326 @@
+"""The OpenAI-compatible Batch API, served for real on loopback and driven only with the ``openai`` SDK.
+
+Most tests run on the fake engine; the one marked ``engine`` runs a tiny batch on the embedded
+model through real vLLM and compares it with the same input run directly through the pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import openai
+import pytest
+import uvicorn
+from openai import OpenAI
+from openai.types import Batch
+
+from anex_pipeline.batch_api.app import create_app
+from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.fake_cli import SlowFakeEngineResource
+
+KEY_A = "sk-test-alice-0123456789"
+KEY_B = "sk-test-bob-9876543210"
+DONE = {"completed", "failed", "cancelled", "expired"}
+
+
+@contextmanager
+def serving(runner: JobRunner, keys: list[str] | None = None, **limits: int) -> Iterator[str]:
+    """The Batch API on a free loopback port, in a thread; yields the SDK's base_url."""
+    app = create_app(runner, [KEY_A, KEY_B] if keys is None else keys, **limits)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the service did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the service did not stop"
+
+
+def client(base_url: str, key: str = KEY_A) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+
+def wait(sdk: OpenAI, batch_id: str, until: set[str] = DONE, timeout: float = 120) -> Batch:
+    deadline = time.monotonic() + timeout
+    while (batch := sdk.batches.retrieve(batch_id)).status not in until:
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.1)
+    return batch
+
+
+def wait_for_rows(sdk: OpenAI, batch_id: str, completed: int) -> None:
+    deadline = time.monotonic() + 60
+    while (counts := sdk.batches.retrieve(batch_id).request_counts) is None or counts.completed < completed:
+        assert time.monotonic() < deadline, "the batch made no progress"
+        time.sleep(0.05)
+
+
+def content(sdk: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()]
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Result rows without what differs between two jobs of the same input: the completion's id
+    (made from the job id) and its creation time."""
+    for row in rows:
+        body = row["response"]["body"]
+        if body is not None:
+            body.pop("id")
+            body.pop("created")
+    return rows
+
+
+def submit(sdk: OpenAI, path: Path, options: dict[str, Any] | None = None) -> Batch:
+    with path.open("rb") as f:
+        uploaded = sdk.files.create(file=f, purpose="batch")
+    metadata = {"team": "tests", **({"anex_options": json.dumps(options)} if options else {})}
+    return sdk.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=metadata,
+    )
+
+
+@pytest.fixture
+def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
+    """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
+    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
+    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), SlowFakeEngineResource())
+
+
+def rows(n: int, long_one: int | None = None) -> list[dict[str, Any]]:
+    """Chat rows; the row ``long_one`` has a prompt over the fake engine's context, so it fails."""
+    return [chat_row(f"r{i}", "word " * 300 if i == long_one else f"question number {i}") for i in range(n)]
+
+
+def test_sdk_round_trip_matches_the_pipeline(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6, long_one=4))
+    options = {"max_tokens": 16, "temperature": 0}
+    run_job(fake_runner, src, tmp_path / "direct.jsonl", options)
+    direct = read_jsonl(tmp_path / "direct.jsonl")
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        created = submit(sdk, src, options)
+        assert created.status in {"validating", "in_progress"}
+        assert created.metadata == {"team": "tests", "anex_options": json.dumps(options)}
+        batch = wait(sdk, created.id)
+        assert batch.status == "completed", batch.errors
+        assert batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (6, 5, 1)
+        assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+        assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+        assert batch.usage is not None and batch.usage.output_tokens > 0
+        output, errors = content(sdk, batch.output_file_id), content(sdk, batch.error_file_id)
+        assert sdk.files.retrieve(batch.output_file_id).purpose == "batch_output"  # type: ignore[arg-type]
+        listed = sdk.batches.list()
+        assert [b.id for b in listed.data] == [batch.id]
+    # The batch ran as an ordinary job: its own `jobs` partition, materialized by Dagster runs.
+    (job_id,) = [p for p in fake_runner.instance.get_dynamic_partitions("jobs") if p.startswith(batch.id)]
+    result = fake_runner.instance.get_latest_materialization_event(dg.AssetKey("result_file"))
+    assert result is not None and result.dagster_event is not None
+    assert result.dagster_event.partition == job_id
+    assert comparable(output) == comparable([r for r in direct if r["error"] is None])
+    assert errors == [r for r in direct if r["error"] is not None]
+    assert [r["custom_id"] for r in errors] == ["r4"] and errors[0]["response"]["status_code"] == 400
+
+
+def test_another_key_sees_nothing(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    with serving(fake_runner) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        batch = wait(alice, submit(alice, src, {"max_tokens": 8}).id)
+        assert batch.status == "completed"
+        for attempt in (
+            lambda: bob.batches.retrieve(batch.id),
+            lambda: bob.batches.cancel(batch.id),
+            lambda: bob.files.retrieve(batch.input_file_id),
+            lambda: bob.files.content(batch.output_file_id),  # type: ignore[arg-type]
+            lambda: bob.batches.create(
+                input_file_id=batch.input_file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        assert bob.batches.list().data == []
+        assert alice.batches.retrieve(batch.id).status == "completed"
+
+
+def test_malformed_input_fails_with_line_numbered_errors(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            chat_row("a", "fine"),
+            '{"custom_id": "b", "body": ',
+            {"body": {"messages": [{"role": "user", "content": "x"}]}},
+        ],
+    )
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        batch = wait(sdk, submit(sdk, src).id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_request"), (3, "invalid_request")]
+    assert batch.errors.data[1].param == "custom_id"
+    assert batch.output_file_id is None
+
+
+def test_cancel_delivers_the_finished_rows(tmp_path: Path, slow_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    with serving(slow_runner) as url:
+        sdk = client(url)
+        batch = submit(sdk, src, {"max_tokens": 8, "checkpoint_rows": 1})
+        wait(sdk, batch.id, until={"in_progress"})
+        wait_for_rows(sdk, batch.id, 3)
+        cancelling = sdk.batches.cancel(batch.id)
+        assert cancelling.status in {"cancelling", "cancelled"} and cancelling.cancelling_at is not None
+        batch = wait(sdk, batch.id)
+        output = content(sdk, batch.output_file_id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    assert batch.request_counts is not None
+    assert 3 <= batch.request_counts.completed == len(output) < 40
+    assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(len(output))]
+
+
+def test_restart_keeps_records_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
+    src = write_jsonl(tmp_path / "in.jsonl", rows(30))
+    storage = StorageResource(work_root=str(tmp_path / "work"))
+    home = tmp_path / "dagster_home"  # a SQLite instance on disk, opened twice
+    home.mkdir()
+    with (
+        dg.instance_for_test(temp_dir=str(home)) as instance,
+        serving(JobRunner(instance, storage, SlowFakeEngineResource())) as url,
+    ):
+        sdk = client(url)
+        batch = submit(sdk, src, {"max_tokens": 8, "checkpoint_rows": 2})
+        wait_for_rows(sdk, batch.id, 4)
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
+        # No keys given: the ones stored (hashed) at the first start are still valid.
+        with serving(JobRunner(instance, storage, SlowFakeEngineResource()), keys=None) as url:
+            sdk = client(url)
+            listed = sdk.batches.list().data
+            assert [(b.id, b.status) for b in listed] == [(batch.id, "in_progress")]
+            assert listed[0].request_counts is not None and 4 <= listed[0].request_counts.completed < 30
+            assert sdk.files.retrieve(batch.input_file_id).bytes == src.stat().st_size
+            resumed = wait(sdk, batch.id)
+            assert resumed.status == "completed", resumed.errors
+            assert [r["custom_id"] for r in content(sdk, resumed.output_file_id)] == [f"r{i}" for i in range(30)]
+        runs = instance.get_runs(dg.RunsFilter(job_name="shard_job"))
+        assert runs, "the resumed shard ran as a Dagster run on the instance"
+
+
+def test_same_idempotency_key_same_batch(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    with serving(fake_runner) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        with src.open("rb") as f:
+            uploaded = alice.files.create(file=f, purpose="batch")
+        args: dict[str, Any] = {
+            "input_file_id": uploaded.id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "extra_headers": {"Idempotency-Key": "order-17"},
+        }
+        first, again = alice.batches.create(**args), alice.batches.create(**args)
+        assert again.id == first.id
+        assert wait(alice, first.id).status == "completed"
+        assert [b.id for b in alice.batches.list().data] == [first.id]
+        with src.open("rb") as f:
+            bobs = bob.files.create(file=f, purpose="batch")
+        assert bob.batches.create(**{**args, "input_file_id": bobs.id}).id != first.id  # keys are per API key
+
+
+def test_size_limits_and_keys(tmp_path: Path, fake_runner: JobRunner) -> None:
+    big = write_jsonl(tmp_path / "big.jsonl", rows(40))
+    assert big.stat().st_size > 2000
+    bob_hash = hashlib.sha256(KEY_B.encode()).hexdigest()
+    with serving(fake_runner, [KEY_A, f"sha256:{bob_hash}"], max_upload_bytes=2000, max_body_bytes=1000) as url:
+        sdk = client(url)
+        assert client(url, KEY_B).batches.list().data == []  # a key configured by its hash only
+        with pytest.raises(openai.AuthenticationError):
+            client(url, f"sha256:{bob_hash}").batches.list()  # the stored hash is not a key
+        with pytest.raises(openai.APIStatusError) as too_big, big.open("rb") as f:
+            sdk.files.create(file=f, purpose="batch")
+        assert too_big.value.status_code == 413
+        assert too_big.value.body["code"] == "request_too_large"  # type: ignore[index]
+        embedded = {"endpoint": "/v1/chat/completions", "requests": [{"custom_id": "x", "body": {"p": "y" * 2000}}]}
+        with pytest.raises(openai.APIStatusError) as too_big:
+            sdk.post("/batches", body=embedded, cast_to=Batch)
+        assert too_big.value.status_code == 413
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            client(url, "sk-not-a-key").batches.list()
+        assert wrong.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+        with pytest.raises(openai.AuthenticationError) as missing:
+            sdk.batches.list(extra_headers={"Authorization": openai.omit})
+        assert missing.value.body["code"] == "missing_api_key"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as bad:
+            sdk.batches.create(input_file_id="file-x", endpoint="/v1/responses", completion_window="24h")
+        assert bad.value.body["param"] == "endpoint"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as bad:
+            sdk.post(
+                "/batches",
+                body={"endpoint": "/v1/chat/completions", "requests": [], "anex_options": {"max_token": 3}},
+                cast_to=Batch,
+            )
+        assert "max_token" in bad.value.message and "max_tokens" in bad.value.message
+
+
+def test_embedded_requests(tmp_path: Path, fake_runner: JobRunner) -> None:
+    requests = [
+        {"custom_id": f"e{i}", "body": {"messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(3)
+    ]
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        created = sdk.post(
+            "/batches",
+            body={"endpoint": "/v1/chat/completions", "requests": requests, "anex_options": {"max_tokens": 8}},
+            cast_to=Batch,
+        )
+        batch = wait(sdk, created.id)
+        output = content(sdk, batch.output_file_id)
+        sent = content(sdk, batch.input_file_id)
+    assert batch.status == "completed"
+    assert [r["custom_id"] for r in output] == ["e0", "e1", "e2"]
+    assert batch.model_extra is not None and batch.model_extra["results"] == output
+    assert sent[0] == {"method": "POST", "url": "/v1/chat/completions", **requests[0]}
+
+
+@pytest.mark.engine
+def test_real_engine_batch_matches_the_pipeline(tmp_path: Path, real_runner: JobRunner) -> None:
+    src = write_jsonl(
+        tmp_path / "tiny.jsonl",
+        [chat_row("q1", "What is the capital of France?"), chat_row("q2", "Say hello."), chat_row("q3", "2+2=?")],
+    )
+    options = {"max_tokens": 12, "temperature": 0, "seed": 1}
+    report = run_job(real_runner, src, tmp_path / "direct.jsonl", options)  # loads the session's engine here
+    direct = read_jsonl(tmp_path / "direct.jsonl")
+    with serving(real_runner) as url:
+        sdk = client(url)
+        batch = wait(sdk, submit(sdk, src, options).id, timeout=300)
+        output = content(sdk, batch.output_file_id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert batch.model == report.model
+    assert comparable(output) == comparable(direct)
+    assert all(r["response"]["body"]["choices"][0]["message"]["content"] for r in output)
