@@ -10,7 +10,13 @@ from dagster_aws.s3 import S3Resource
 from anex_pipeline.defs.assets import all_assets
 from anex_pipeline.defs.jobs import all_jobs
 from anex_pipeline.defs.resources import EngineResource, StorageResource
-from anex_pipeline.defs.sensors import LocalInboxSettings, S3InboxSettings, all_schedules, all_sensors
+from anex_pipeline.defs.sensors import (
+    LocalInboxSettings,
+    RetrySettings,
+    S3InboxSettings,
+    all_schedules,
+    all_sensors,
+)
 
 
 def build_definitions(
@@ -19,6 +25,7 @@ def build_definitions(
     *,
     s3_inbox: S3InboxSettings | None = None,
     local_inbox: LocalInboxSettings | None = None,
+    retry: RetrySettings | None = None,
 ) -> dg.Definitions:
     """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
     storage = storage or StorageResource()
@@ -34,6 +41,7 @@ def build_definitions(
             "s3": S3Resource(endpoint_url=storage.s3_endpoint_url, region_name=storage.s3_region),
             "s3_inbox_settings": s3_inbox or S3InboxSettings(),
             "local_inbox_settings": local_inbox or LocalInboxSettings(),
+            "retry_settings": retry or RetrySettings(),
         },
     )
 

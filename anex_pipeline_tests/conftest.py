@@ -15,6 +15,17 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
 from anex_pipeline_tests.fakes import FakeEngineResource
 
+REPO = Path(__file__).resolve().parents[1]
+# An instance for Dagster's own commands (webserver, `dagster job backfill`) with no daemon: its
+# coordinator starts each run at once instead of queueing it for the daemon `dagster dev` runs.
+DAEMONLESS_INSTANCE_YAML = """\
+run_coordinator:
+  module: dagster._core.run_coordinator
+  class: DefaultRunCoordinator
+telemetry:
+  enabled: false
+"""
+
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     with path.open("w", encoding="utf-8") as f:
@@ -34,7 +45,8 @@ def chat_row(cid: str, text: str, **body: Any) -> dict[str, Any]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    # split on newlines only: str.splitlines() would also cut at U+2028 and U+0085 inside a JSON string
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 @pytest.fixture

@@ -5,9 +5,13 @@ once, and the job driver carries each job from submit to the published result.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +24,19 @@ from moto.server import ThreadedMotoServer
 from anex_pipeline.definitions import build_definitions, defs
 from anex_pipeline.defs.partitions import JOBS, job_shard_key
 from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.defs.sensors import LocalInboxSettings, S3InboxSettings
+from anex_pipeline.defs.sensors import (
+    JOB_DIMENSION_TAG,
+    LAUNCHED_BY_TAG,
+    LocalInboxSettings,
+    RetrySettings,
+    S3InboxSettings,
+)
+from anex_pipeline.engine.base import Engine, EngineRequest
+from anex_pipeline.jobs import JobManifest
 from anex_pipeline.runner import QUIET_LOGGERS
+from anex_pipeline.spec import RowOutcome
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "batches"
@@ -58,18 +71,23 @@ class Deployment:
         self.run_keys.extend(r.run_key for r in data.run_requests or [])
         return data
 
-    def execute(self, request: dg.RunRequest, job_name: str | None = None) -> dg.ExecuteInProcessResult:
+    def execute(
+        self, request: dg.RunRequest, job_name: str | None = None, *, must_succeed: bool = True
+    ) -> dg.ExecuteInProcessResult:
         job = self.defs.resolve_job_def(job_name or request.job_name)
         result = job.execute_in_process(
             run_config={**request.run_config, "loggers": QUIET_LOGGERS},
             partition_key=request.partition_key,
             instance=self.instance,
+            tags=request.tags,
+            raise_on_error=False,
         )
-        assert result.success
+        assert result.success or not must_succeed
         return result
 
-    def drive(self) -> list[list[str]]:
-        """Ticks the driver and runs what it asks for until it asks for nothing; returns the steps."""
+    def drive(self, *, failing: frozenset[str] = frozenset()) -> list[list[str]]:
+        """Ticks the driver and runs what it asks for until it asks for nothing; returns the steps.
+        Runs of the partitions in ``failing`` must fail, every other run must succeed."""
         steps = []
         for _ in range(10):
             data = self.tick("job_driver")
@@ -78,8 +96,24 @@ class Deployment:
                 return steps
             steps.append([f"{r.job_name}:{r.partition_key}" for r in data.run_requests])
             for request in data.run_requests:
-                self.execute(request)
+                result = self.execute(request, must_succeed=False)
+                assert result.success == (str(request.partition_key) not in failing), request.partition_key
         raise AssertionError(f"the driver never settled: {steps}")
+
+    def retry_tick(self) -> Any:
+        """Evaluates one tick of the retry schedule."""
+        schedule = self.defs.resolve_schedule_def("retry_failed_rows")
+        with (
+            dg.build_schedule_context(
+                instance=self.instance,
+                resources=dict(self.defs.resources),
+                repository_def=self.defs.get_repository_def(),
+            ) as context,
+            dg.partition_loading_context(dynamic_partitions_store=self.instance),
+        ):
+            data = schedule.evaluate_tick(context)
+        self.run_keys.extend(r.run_key for r in data.run_requests or [])
+        return data
 
     def submit(self, job_id: str, config: dict[str, Any]) -> None:
         """What a UI user does: a new `jobs` partition, then submit_job with a launchpad config."""
@@ -340,8 +374,11 @@ def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.Dag
     assert again[0].run_key not in deployment.run_keys[:-1]
 
 
-def test_retry_schedule_reruns_only_shards_with_failed_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+def test_retry_schedule_reruns_only_shards_with_failed_rows_up_to_its_limit(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    defs = build_definitions(storage_for(tmp_path), FakeEngineResource(), retry=RetrySettings(max_attempts=2))
+    deployment = Deployment(defs, instance)
     rows = [chat_row(f"r{i}", f"question {i}", max_tokens=9) for i in range(8)]
     rows[6] = chat_row("r6", "word " * 500, max_tokens=9)  # longer than the fake engine's context: a failed row
     deployment.submit(
@@ -362,19 +399,119 @@ def test_retry_schedule_reruns_only_shards_with_failed_rows(tmp_path: Path, inst
     )
     deployment.drive()
 
-    schedule = deployment.defs.resolve_schedule_def("retry_failed_rows")
-    with (
-        dg.build_schedule_context(
-            instance=instance,
-            resources=dict(deployment.defs.resources),
-            repository_def=deployment.defs.get_repository_def(),
-        ) as context,
-        dg.partition_loading_context(dynamic_partitions_store=instance),
-    ):
-        data = schedule.evaluate_tick(context)
-    assert [r.partition_key for r in data.run_requests] == [str(job_shard_key("flaky", 1))]
+    for _ in range(2):  # the row fails every time: two attempts, as configured
+        data = deployment.retry_tick()
+        assert [r.partition_key for r in data.run_requests] == [str(job_shard_key("flaky", 1))]
+        rerun = deployment.execute(data.run_requests[0], "shard_job")
+        metadata = rerun.asset_materializations_for_node("generations")[0].metadata
+        assert metadata["generated"].value == 1 and metadata["kept_from_earlier_runs"].value == 3
+        assert deployment.drive() == [["finish_job:flaky"]]  # the driver publishes the rerun's result
+    assert not deployment.retry_tick().run_requests
+    assert len(set(deployment.run_keys)) == len(deployment.run_keys)
+    assert read_jsonl(tmp_path / "o.jsonl")[6]["error"]["type"] == "invalid_request_error"
 
-    rerun = deployment.execute(data.run_requests[0], "shard_job")
-    metadata = rerun.asset_materializations_for_node("generations")[0].metadata
-    assert metadata["generated"].value == 1 and metadata["kept_from_earlier_runs"].value == 3
-    assert deployment.drive() == [["finish_job:flaky"]]  # the driver publishes the rerun's result
+    # A new submission of the job starts the count again.
+    deployment.execute(dg.RunRequest(partition_key="flaky"), "submit_job")
+    deployment.drive()
+    assert [r.partition_key for r in deployment.retry_tick().run_requests] == [str(job_shard_key("flaky", 1))]
+
+
+class BrokenEngine(FakeEngine):
+    """The fake engine, raising (as a dead GPU would) on any batch with a row whose id starts "boom",
+    while BROKEN["now"] is set."""
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        if BROKEN["now"] and any(r.key.startswith("boom") for r in requests):
+            raise RuntimeError("the GPU fell off the bus")
+        return super().run(requests)
+
+
+BROKEN = {"now": True}
+
+
+class BrokenEngineResource(FakeEngineResource):
+    def engine_for(self, manifest: JobManifest) -> Engine:
+        return BrokenEngine(manifest.model_name)
+
+
+def test_a_shard_that_fails_for_good_does_not_stall_its_job(
+    tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(BROKEN, "now", True)
+    storage = storage_for(tmp_path)
+    deployment = Deployment(build_definitions(storage, BrokenEngineResource()), instance)
+    rows = [chat_row(f"r{i}", f"question {i}", max_tokens=9) for i in range(6)]
+    rows[5] = chat_row("boom5", "question 5", max_tokens=9)
+    out = tmp_path / "out.jsonl"
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    deployment.submit("stuck", {"input": str(src), "output": str(out), "options": {"shards": 3}})
+
+    last = str(job_shard_key("stuck", 2))
+    steps = deployment.drive(failing=frozenset({last}))  # the step's own retries fail too
+    assert steps == [
+        ["estimate_job:stuck"],
+        [f"shard_job:{job_shard_key('stuck', s)}" for s in range(3)],
+        ["finish_job:stuck"],
+    ]
+    finish = instance.get_runs(filters=dg.RunsFilter(job_name="finish_job"), limit=1)[0]
+    assert finish.tags["anex/failed_shards"] == "2"
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    assert report["status"] == "stopped_early"
+    assert report["failure_reason"] == "shard 2: RuntimeError: the GPU fell off the bus"
+    assert report["request_counts"] == {**report["request_counts"], "total": 6, "completed": 4, "failed": 0}
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(4)]
+    # Published: the stop is kept in the report only, so that a later rerun of the shard can work.
+    assert not storage.job("stuck").stop_path.exists()
+
+    monkeypatch.setitem(BROKEN, "now", False)  # the fault is gone: the retry schedule repairs the job
+    retry = deployment.retry_tick().run_requests
+    assert [r.partition_key for r in retry] == [last]
+    rerun = deployment.execute(retry[0], "shard_job")
+    assert rerun.asset_materializations_for_node("generations")[0].metadata["generated"].value == 2
+    assert deployment.drive() == [["finish_job:stuck"]]
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    assert report["status"] == "completed" and report["failure_reason"] is None
+    assert [r["custom_id"] for r in read_jsonl(out)] == [r["custom_id"] for r in rows]
+
+
+def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies(tmp_path: Path) -> None:
+    home, work = tmp_path / "dagster", tmp_path / "work"
+    home.mkdir()
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"c{i}", f"question {i}", max_tokens=9) for i in range(8)])
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "ANEX_WORK_DIR": str(work), "DAGSTER_HOME": str(home), "ANEX_FAKE_ROW_DELAY_S": "10"}
+    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(out), "--shards", "2"]
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
+        deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+        cli = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            shard_run = wait_for_run(instance, cli, "shard_job")  # the CLI is generating shard 0, slowly
+            assert shard_run.tags[LAUNCHED_BY_TAG] == "cli"
+            cli_runs = instance.get_runs(filters=dg.RunsFilter(tags={LAUNCHED_BY_TAG: "cli"}))
+            assert {r.job_name for r in cli_runs} == {"submit_job", "estimate_job", "shard_job"}
+            data = deployment.tick("job_driver")
+            assert not data.run_requests and "being run by anex-pipeline" in data.skip_message
+        finally:
+            cli.kill()  # the CLI dies mid-shard: its run stays "started", its lease goes with it
+            cli.wait(timeout=30)
+        assert instance.get_run_by_id(shard_run.run_id).status == dg.DagsterRunStatus.STARTED
+
+        job_id = shard_run.tags[JOB_DIMENSION_TAG]
+        assert deployment.drive() == [
+            [f"shard_job:{job_shard_key(job_id, s)}" for s in range(2)],
+            [f"finish_job:{job_id}"],
+        ]
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"c{i}" for i in range(8)]
+    assert json.loads((tmp_path / "out.report.json").read_text())["status"] == "completed"
+
+
+def wait_for_run(instance: dg.DagsterInstance, process: subprocess.Popen[bytes], job_name: str) -> dg.DagsterRun:
+    """The first run of ``job_name`` that a process started, once it is running."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=[dg.DagsterRunStatus.STARTED]))
+        if runs:
+            return runs[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"no {job_name} run started within 120 s")

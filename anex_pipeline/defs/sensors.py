@@ -4,22 +4,26 @@
   submit, every shard after the estimate, the merge and publish after the last shard.
 - ``s3_inbox`` turns each new object under a bucket/prefix into a job; ``local_inbox`` does the
   same for a folder. Results go to an output prefix (or an outbox folder).
-- ``retry_failed_rows`` (a schedule) reruns the shards of finished jobs that have failed rows.
+- ``retry_failed_rows`` (a schedule) reruns the shards of finished jobs that have failed rows,
+  a limited number of times per shard.
 
 All are off until started in the UI (Automation) or with ``dagster sensor start`` /
-``dagster schedule start``. The inbox sensors only submit; ``job_driver`` does the rest.
+``dagster schedule start``. The inbox sensors only submit; ``job_driver`` does the rest, except
+for a job that an ``anex-pipeline`` process is driving (it holds the job's lease file).
 """
 
 # No "from __future__ import annotations" here: Dagster reads the sensors' resource annotations.
 
+import fcntl
 import json
+import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 import dagster as dg
 from dagster_aws.s3 import S3Resource
@@ -32,6 +36,7 @@ from anex_pipeline.defs.partitions import JOBS, job_partitions, job_shard_key, j
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.jobs import JobDir, make_job_id, unfinished_shards
 from anex_pipeline.spec import JobReport
+from anex_pipeline.storage import unsafe_key
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
 SIDECAR_SUFFIX = ".job.json"
@@ -44,6 +49,51 @@ IN_FLIGHT = [
 ]
 PARTITION_TAG = "dagster/partition"
 JOB_DIMENSION_TAG = "dagster/partition/job"
+SHARD_DIMENSION_TAG = "dagster/partition/shard"
+LAUNCHED_BY_TAG = "anex/launched_by"  # "cli" on the runs of `anex-pipeline run` and `backfill`
+RETRY_TAG = "anex/retry_of_submission"  # on retry runs: the storage id of the submission they retry
+LEASE_NAME = "cli.lock"
+
+progress_log = logging.getLogger("anex_pipeline.progress")
+
+
+# ---------------------------------------------------------------------------------------------
+# Who drives a job: an anex-pipeline process holds the job's lease while it runs the job's steps
+
+
+def _lock(lease: IO[bytes], mode: int) -> bool:
+    try:
+        fcntl.flock(lease, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def take_lease(job: JobDir) -> IO[bytes]:
+    """Marks the job as driven by this process until the returned file is closed.
+
+    The mark is a kernel lock on ``<job>/cli.lock``: it goes away with the process however the
+    process ends, so a crashed command never leaves the job blocked. A second process driving the
+    same job waits here for the first.
+    """
+    job.root.mkdir(parents=True, exist_ok=True)
+    lease = (job.root / LEASE_NAME).open("ab")
+    if not _lock(lease, fcntl.LOCK_EX):
+        time.sleep(0.2)  # job_driver only looks at the lock for a moment
+        if not _lock(lease, fcntl.LOCK_EX):
+            progress_log.warning("job %s is being run by another process; waiting for it to end", job.job_id)
+            fcntl.flock(lease, fcntl.LOCK_EX)
+    return lease
+
+
+def driven_by_cli(job: JobDir) -> bool:
+    """True while a live process holds the job's lease (a lease file left by a dead one is free)."""
+    try:
+        lease = (job.root / LEASE_NAME).open("rb")
+    except FileNotFoundError:
+        return False
+    with lease:
+        return not _lock(lease, fcntl.LOCK_SH)  # closing the file lets go of the lock at once
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +109,8 @@ class JobProgress:
     estimated: int = 0
     shards: dict[int, int] = field(default_factory=dict)
     finished: int = 0
-    busy: bool = False  # a run for this job is queued or running
+    busy: bool = False  # a run for this job is queued or running (not counting CLI runs)
+    cli_runs: list[str] = field(default_factory=list)  # ids of CLI runs of this job not marked ended
 
 
 def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
@@ -81,9 +132,61 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
             jobs[dims["job"]].shards[int(dims["shard"])] = sid
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
         job_id = run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
-        if job_id in jobs:
+        if job_id not in jobs:
+            continue
+        if run.tags.get(LAUNCHED_BY_TAG) == "cli":  # live only while its process holds the lease
+            jobs[job_id].cli_runs.append(run.run_id)
+        else:
             jobs[job_id].busy = True
     return list(jobs.values())
+
+
+@dataclass(frozen=True)
+class ShardFailure:
+    """The last failed run of a shard: when it failed (a storage id) and why."""
+
+    storage_id: int
+    reason: str
+
+
+def shard_failures(instance: dg.DagsterInstance, job_id: str) -> dict[int, ShardFailure]:
+    """The latest failed ``shard_job`` run of each shard of a job; its step retries are spent."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(
+            job_name=shard_job.name, statuses=[dg.DagsterRunStatus.FAILURE], tags={JOB_DIMENSION_TAG: job_id}
+        )
+    )
+    failures: dict[int, ShardFailure] = {}
+    for run in runs:  # newest first
+        shard = int(run.tags.get(SHARD_DIMENSION_TAG, "-1"))
+        if shard < 0 or shard in failures:
+            continue
+        records = instance.get_records_for_run(
+            run.run_id, of_type={dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}
+        ).records
+        if records:
+            failures[shard] = ShardFailure(records[-1].storage_id, _failure_reason(records))
+    return failures
+
+
+def _failure_reason(records: Sequence[dg.EventLogRecord]) -> str:
+    """The step's own error when there is one (not Dagster's wrapper around it), else the run's."""
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        if event and event.is_step_failure and event.step_failure_data.error:
+            return step_error_message(event.step_failure_data.error)
+    event = records[-1].event_log_entry.dagster_event
+    return event.message if event and event.message else "the run failed"
+
+
+def step_error_message(error: Any) -> str:
+    """The first error in a chain that is not Dagster's own wrapper: a step error
+    (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries"."""
+    while error.cause is not None and (
+        error.message.startswith("dagster.") or error.cls_name == "RetryRequestedFromPolicy"
+    ):
+        error = error.cause
+    return error.message.strip()
 
 
 @lru_cache(maxsize=4096)
@@ -93,29 +196,47 @@ def _shard_count(work_root: str, job_id: str, submitted: int) -> int | None:
     return len(job.manifest().shards) if job.exists() else None
 
 
-def next_steps(p: JobProgress, shard_count: int) -> list[dg.RunRequest]:
-    """The runs that move a job on: each is keyed by the materialization it follows, so it is
-    requested once per submission (and once more only after its input changed)."""
+def pending_shards(p: JobProgress, shard_count: int) -> list[int]:
+    """Shards not materialized since the job's latest estimate."""
+    return [s for s in range(shard_count) if p.shards.get(s, 0) < p.estimated]
+
+
+def given_up(p: JobProgress, shard_count: int, failures: Mapping[int, ShardFailure]) -> dict[int, ShardFailure]:
+    """Pending shards whose latest run failed after the estimate: the job finishes without them."""
+    return {
+        s: failures[s] for s in pending_shards(p, shard_count) if s in failures and failures[s].storage_id > p.estimated
+    }
+
+
+def next_steps(p: JobProgress, shard_count: int, failures: Mapping[int, ShardFailure]) -> list[dg.RunRequest]:
+    """The runs that move a job on: each is keyed by the event it follows, so it is requested once
+    per submission (and once more only after its input changed). A shard whose run failed for good
+    is not requested again: the job is merged and published without its rows (rerun the shard,
+    e.g. from the partitions view, and the job is published again)."""
     if p.estimated < p.submitted:
         return [
             dg.RunRequest(
                 job_name=estimate_job.name, partition_key=p.job_id, run_key=f"estimate:{p.job_id}:{p.submitted}"
             )
         ]
-    pending = [s for s in range(shard_count) if p.shards.get(s, 0) < p.estimated]
-    if pending:
+    failed = given_up(p, shard_count, failures)
+    waiting = [s for s in pending_shards(p, shard_count) if s not in failed]
+    if waiting:
         return [
             dg.RunRequest(
                 job_name=shard_job.name,
                 partition_key=job_shard_key(p.job_id, s),
                 run_key=f"shard:{p.job_id}:{s}:{p.estimated}",
             )
-            for s in pending
+            for s in waiting
         ]
-    last_shard = max(p.shards[s] for s in range(shard_count))
-    if p.finished < last_shard:
+    last = max(failed[s].storage_id if s in failed else p.shards[s] for s in range(shard_count))
+    if p.finished < last:
+        tags = {"anex/failed_shards": ",".join(map(str, failed))} if failed else {}
         return [
-            dg.RunRequest(job_name=finish_job.name, partition_key=p.job_id, run_key=f"finish:{p.job_id}:{last_shard}")
+            dg.RunRequest(
+                job_name=finish_job.name, partition_key=p.job_id, run_key=f"finish:{p.job_id}:{last}", tags=tags
+            )
         ]
     return []
 
@@ -132,7 +253,7 @@ def next_steps(p: JobProgress, shard_count: int) -> list[dg.RunRequest]:
 )
 def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult | dg.SkipReason:
     requests: list[dg.RunRequest] = []
-    unknown = []
+    unknown, by_cli = [], []
     for p in job_progress(context.instance):
         if p.busy:
             continue
@@ -140,14 +261,37 @@ def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) ->
         if count is None:
             unknown.append(p.job_id)
             continue
-        requests.extend(next_steps(p, count))
+        job = storage.job(p.job_id)
+        pending = p.estimated >= p.submitted and pending_shards(p, count)
+        failures = shard_failures(context.instance, p.job_id) if pending else {}
+        steps = next_steps(p, count, failures)
+        if not steps and not (p.finished and job.stop_path.exists()):
+            continue
+        if driven_by_cli(job):
+            by_cli.append(p.job_id)
+            continue
+        if p.cli_runs:
+            context.log.warning(
+                f"job {p.job_id}: run(s) {', '.join(p.cli_runs)} of an anex-pipeline process that has ended "
+                "are not running any more; the driver carries on"
+            )
+        if not steps:
+            # The job is published and its report keeps the reason it stopped: later reruns of its
+            # shards (the retry schedule, the partitions view) must not stop on that reason.
+            job.stop_path.unlink(missing_ok=True)
+            continue
+        failed = given_up(p, count, failures)
+        if steps[0].job_name == finish_job.name and failed and not job.stop_path.exists():
+            job.record_stop("; ".join(f"shard {s}: {f.reason}" for s, f in failed.items()))
+        requests.extend(steps)
     if unknown:
         context.log.warning(
             f"{len(unknown)} submitted job(s) have no work folder under {storage.work_root} and are left alone "
             f"(e.g. {unknown[0]}); they were submitted with another work_root"
         )
     if not requests:
-        return dg.SkipReason("nothing to start: every job is finished, running, or waits for a failed step to be rerun")
+        held = f"; {len(by_cli)} job(s) are being run by anex-pipeline (e.g. {by_cli[0]})" if by_cli else ""
+        return dg.SkipReason(f"nothing to start: every job is finished or running{held}")
     return dg.SensorResult(run_requests=requests)
 
 
@@ -288,12 +432,16 @@ def bucket_arrivals(objects: Iterable[Mapping[str, Any]], settings: S3InboxSetti
         if key.startswith(output_root) or not is_input_name(key):
             continue
         name = key[len(settings.prefix) :].lstrip("/")
+        result_key = f"{output_root}{results_name(name)}"
+        if (why := unsafe_key(result_key)) is not None:  # found now, not after the whole job ran
+            progress_log.warning("skipping s3://%s/%s: its result key %r %s", settings.bucket, key, result_key, why)
+            continue
         yield Arrival(
             name=name,
             arrived=obj["LastModified"].timestamp(),
             version=obj["ETag"].strip('"'),
             uri=f"s3://{settings.bucket}/{key}",
-            output=f"s3://{settings.bucket}/{output_root}{results_name(name)}",
+            output=f"s3://{settings.bucket}/{result_key}",
         )
 
 
@@ -408,36 +556,65 @@ def local_inbox(
 # Periodic retries
 
 
+class RetrySettings(dg.ConfigurableResource):
+    """How often the retry schedule reruns one shard of one job."""
+
+    max_attempts: int = Field(
+        default_factory=lambda: int(os.environ.get("ANEX_RETRY_LIMIT", "3")),
+        ge=0,
+        description="Reruns per shard and submission; a shard still failing after them is left as it is "
+        "(its failed rows stay in the report). Counted from the runs the schedule started.",
+    )
+
+
+def retry_attempts(instance: dg.DagsterInstance, p: JobProgress, shard: int) -> int:
+    """Retry runs the schedule has started for this shard since the job's latest submission."""
+    tags = {PARTITION_TAG: str(job_shard_key(p.job_id, shard)), RETRY_TAG: str(p.submitted)}
+    return instance.get_runs_count(dg.RunsFilter(job_name=shard_job.name, tags=tags))
+
+
 @dg.schedule(
     name="retry_failed_rows",
     job=shard_job,
     cron_schedule=os.environ.get("ANEX_RETRY_CRON", "0 * * * *"),
     default_status=dg.DefaultScheduleStatus.STOPPED,
     description=(
-        "Reruns the shards of finished jobs that have failed or missing rows; a rerun generates only those "
-        "rows. job_driver then publishes the new result. Hourly by default (ANEX_RETRY_CRON)."
+        "Reruns the shards of finished jobs that have failed or missing rows, up to max_attempts times per "
+        "shard (ANEX_RETRY_LIMIT, default 3); a rerun generates only those rows. job_driver then publishes "
+        "the new result. Hourly by default (ANEX_RETRY_CRON)."
     ),
 )
 def retry_failed_rows(
-    context: dg.ScheduleEvaluationContext, storage: StorageResource
+    context: dg.ScheduleEvaluationContext, storage: StorageResource, retry_settings: RetrySettings
 ) -> list[dg.RunRequest] | dg.SkipReason:
     requests = []
+    spent = []
     for p in job_progress(context.instance):
         job = storage.job(p.job_id)
         report = job.root / "report.json"
         if p.busy or not p.finished or not report.exists():
             continue
         counts = JobReport.model_validate_json(report.read_text()).request_counts
-        if counts.completed >= counts.total:
+        if counts.completed >= counts.total or driven_by_cli(job):
             continue
-        requests.extend(
-            dg.RunRequest(
-                partition_key=job_shard_key(p.job_id, shard),
-                run_key=f"retry:{p.job_id}:{shard}:{p.shards.get(shard, 0)}",
+        for shard in unfinished_shards(job):
+            attempt = retry_attempts(context.instance, p, shard) + 1
+            if attempt > retry_settings.max_attempts:
+                spent.append(f"{p.job_id} shard {shard}")
+                continue
+            requests.append(
+                dg.RunRequest(
+                    partition_key=job_shard_key(p.job_id, shard),
+                    run_key=f"retry:{p.job_id}:{shard}:{p.submitted}:{attempt}",
+                    tags={RETRY_TAG: str(p.submitted)},
+                )
             )
-            for shard in unfinished_shards(job)
+    if spent:
+        context.log.info(
+            f"not retried again, {retry_settings.max_attempts} attempts used: {', '.join(spent)} "
+            "(raise ANEX_RETRY_LIMIT, or rerun the shard by hand)"
         )
-    return requests or dg.SkipReason("no finished job has failed or missing rows")
+    return requests or dg.SkipReason("no finished job has failed or missing rows left to retry")
 
 
 all_sensors = [job_driver, s3_inbox, local_inbox]

@@ -1,0 +1,197 @@
+"""The Dagster webserver on loopback, driven through its GraphQL API the way the UI drives it: add a
+`jobs` partition, launch `submit_job` with a launchpad config, wait for the run, and read the
+materializations back. The server loads the project's own workspace.yaml (submitting a job needs
+no engine) and launches runs in their own processes, as `dagster dev` does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dagster_graphql import DagsterGraphQLClient
+
+from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
+
+LOCATION_QUERY = """
+{ workspaceOrError { ... on Workspace { locationEntries {
+    name loadStatus
+    locationOrLoadError {
+        __typename ... on RepositoryLocation { repositories { name } } ... on PythonError { message }
+    }
+} } } }
+"""
+ADD_PARTITION = """
+mutation ($selector: RepositorySelector!, $key: String!) {
+  addDynamicPartition(repositorySelector: $selector, partitionsDefName: "jobs", partitionKey: $key) {
+    __typename ... on AddDynamicPartitionSuccess { partitionKey } ... on PythonError { message }
+  }
+}
+"""
+MATERIALIZATIONS = """
+query ($path: [String!]!, $partition: String!) {
+  assetOrError(assetKey: {path: $path}) {
+    __typename
+    ... on Asset {
+      key { path }
+      assetMaterializations(partitions: [$partition]) {
+        partition runId
+        metadataEntries {
+          label
+          ... on IntMetadataEntry { intValue }
+          ... on TextMetadataEntry { text }
+        }
+      }
+    }
+  }
+}
+"""
+
+STEP_ERRORS = """
+query ($runId: ID!) {
+  logsForRun(runId: $runId) {
+    ... on EventConnection { events { __typename ... on ExecutionStepFailureEvent { error { message } } } }
+  }
+}
+"""
+
+
+@dataclass
+class Webserver:
+    url: str
+    port: int
+    work: Path
+    files: Path
+
+    def graphql(self, query: str, **variables: Any) -> dict[str, Any]:
+        reply = httpx.post(f"{self.url}/graphql", json={"query": query, "variables": variables}, timeout=60)
+        reply.raise_for_status()
+        body = reply.json()
+        assert "errors" not in body, body["errors"]
+        return body["data"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
+    root = tmp_path_factory.mktemp("webserver")
+    home = root / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(DAEMONLESS_INSTANCE_YAML)
+    port = free_port()
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "ANEX_WORK_DIR": str(root / "work"),
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    command = [sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port)]
+    command += ["-w", str(REPO / "workspace.yaml")]
+    with (root / "webserver.log").open("wb") as log:
+        server = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    ws = Webserver(f"http://127.0.0.1:{port}", port, root / "work", root)
+    try:
+        wait_until_loaded(ws, server, root / "webserver.log")
+        yield ws
+    finally:
+        server.send_signal(signal.SIGINT)  # the server stops its code server on the way out
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)  # the session this fixture started, and nothing else
+            server.wait(timeout=30)
+
+
+def wait_until_loaded(ws: Webserver, server: subprocess.Popen[bytes], log: Path) -> None:
+    """Waits for the server to answer and for the code location to be loaded."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the webserver exited:\n{log.read_text()[-3000:]}"
+        try:
+            entries = ws.graphql(LOCATION_QUERY)["workspaceOrError"]["locationEntries"]
+        except httpx.HTTPError:
+            entries = []
+        loaded = [e for e in entries if e["loadStatus"] == "LOADED"]
+        if loaded:
+            location = loaded[0]["locationOrLoadError"]
+            assert location["__typename"] == "RepositoryLocation", location
+            return
+        time.sleep(1)
+    raise AssertionError(f"the code location did not load within 240 s:\n{log.read_text()[-3000:]}")
+
+
+def materializations(ws: Webserver, asset: str, partition: str) -> list[dict[str, Any]]:
+    found = ws.graphql(MATERIALIZATIONS, path=[asset], partition=partition)["assetOrError"]
+    assert found["__typename"] == "Asset" and found["key"]["path"] == [asset]
+    return found["assetMaterializations"]
+
+
+def wait_for_run(client: DagsterGraphQLClient, run_id: str) -> str:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status = client.get_run_status(run_id).value
+        if status in ("SUCCESS", "FAILURE", "CANCELED"):
+            return status
+        time.sleep(1)
+    raise AssertionError(f"run {run_id} did not finish within 300 s")
+
+
+def step_errors(ws: Webserver, run_id: str) -> list[str]:
+    """The error messages of the run's failed steps, as the run's page shows them."""
+    events = ws.graphql(STEP_ERRORS, runId=run_id)["logsForRun"]["events"]
+    return [e["error"]["message"] for e in events if e["__typename"] == "ExecutionStepFailureEvent"]
+
+
+def test_launch_a_job_from_the_launchpad_and_read_its_materializations(webserver: Webserver) -> None:
+    location = webserver.graphql(LOCATION_QUERY)["workspaceOrError"]["locationEntries"][0]
+    selector = {
+        "repositoryLocationName": location["name"],
+        "repositoryName": location["locationOrLoadError"]["repositories"][0]["name"],
+    }
+    src = write_jsonl(webserver.files / "batch.jsonl", [chat_row(f"w{i}", f"question {i}") for i in range(5)])
+    out = webserver.files / "batch.results.jsonl"
+
+    added = webserver.graphql(ADD_PARTITION, selector=selector, key="ui-batch")["addDynamicPartition"]
+    assert added == {"__typename": "AddDynamicPartitionSuccess", "partitionKey": "ui-batch"}
+
+    client = DagsterGraphQLClient("127.0.0.1", port_number=webserver.port)
+    config = {"input": str(src), "output": str(out), "options": {"shards": 2, "max_tokens": 16}}
+    run_id = client.submit_job_execution(
+        "submit_job",
+        run_config={"ops": {"validated_input": {"config": config}}},
+        tags={"dagster/partition": "ui-batch"},
+    )
+    assert wait_for_run(client, run_id) == "SUCCESS", step_errors(webserver, run_id)
+
+    [mat] = materializations(webserver, "validated_input", "ui-batch")
+    assert mat["partition"] == "ui-batch" and mat["runId"] == run_id
+    meta = {e["label"]: e.get("intValue", e.get("text")) for e in mat["metadataEntries"]}
+    assert meta["rows"] == 5 and meta["shards"] == 2 and meta["format"] == "jsonl" and meta["output"] == str(out)
+    assert (webserver.work / "ui-batch" / "job.json").exists()  # the run wrote the job's work folder
+
+    # A wrong option fails the run with the submit check's message, and materializes nothing.
+    webserver.graphql(ADD_PARTITION, selector=selector, key="ui-bad")
+    bad = client.submit_job_execution(
+        "submit_job",
+        run_config={"ops": {"validated_input": {"config": {**config, "options": {"max_tokens": -3}}}}},
+        tags={"dagster/partition": "ui-bad"},
+    )
+    assert wait_for_run(client, bad) == "FAILURE"
+    assert any("max_tokens" in message for message in step_errors(webserver, bad)), step_errors(webserver, bad)
+    assert materializations(webserver, "validated_input", "ui-bad") == []
