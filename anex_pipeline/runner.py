@@ -2,23 +2,29 @@
 
 This is what ``anex-pipeline run`` does: submit (validated_input), estimate, every shard, then
 merge and publish. Each step is an ordinary Dagster run, so the job shows in the UI afterwards,
-and the in-process engine is loaded once and shared by all of them.
+and the in-process engine is loaded once and shared by all of them. The runs are tagged
+``anex/launched_by=cli``, and the runner holds the job's lease while it drives the job, so the
+``job_driver`` sensor leaves the job alone until the command ends (or dies).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import dagster as dg
 
 from anex_pipeline.definitions import build_definitions
 from anex_pipeline.defs.partitions import JOBS, job_shard_key
 from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.defs.sensors import LAUNCHED_BY_TAG, step_error_message, take_lease
 from anex_pipeline.engine import release_engines
-from anex_pipeline.jobs import JobDir, prepare_job, unfinished_shards
+from anex_pipeline.jobs import JobDir, JobManifest, prepare_job, unfinished_shards
+from anex_pipeline.merge import record_timing
 from anex_pipeline.spec import JobReport
 from anex_pipeline.validate import parse_options
 
@@ -38,13 +44,15 @@ class JobRunner:
         self.instance = instance
         self.storage = storage
         # Built anew, not model_copy'd: Dagster re-creates resources from their constructor values.
-        shared = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
-        self.defs = build_definitions(storage, shared)
+        self.engine = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
+        self.defs = build_definitions(storage, self.engine)
+        self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
 
     def submit(self, input_path: str, output: str, raw_options: dict[str, Any], report: str | None = None) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition."""
         options = parse_options(raw_options)
         job = prepare_job(Path(input_path), output, options, Path(self.storage.work_root).expanduser(), report=report)
+        self._hold(job)
         self._register(job)
         self._execute("submit_job", job.job_id)
         return job
@@ -52,9 +60,17 @@ class JobRunner:
     def run(self, job: JobDir, shards: Sequence[int] | None = None) -> JobReport:
         """Estimate, generate the chosen shards (all by default), merge and publish."""
         manifest = job.manifest()
+        self._hold(job)
+        try:
+            return self._run(job, manifest, shards)
+        finally:
+            self._leases.pop(job.job_id).close()
+
+    def _run(self, job: JobDir, manifest: JobManifest, shards: Sequence[int] | None) -> JobReport:
         self._register(job)
         job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
         job.start_clock(manifest.job_options().time_limit_s)
+        self._load_engine_early(job)
         try:
             self._execute("estimate_job", job.job_id)
             chosen = range(len(manifest.shards)) if shards is None else shards
@@ -74,6 +90,28 @@ class JobRunner:
         self._execute("finish_job", job.job_id)
         return JobReport.model_validate_json((job.root / "report.json").read_text())
 
+    def _hold(self, job: JobDir) -> None:
+        if job.job_id not in self._leases:
+            self._leases[job.job_id] = take_lease(job)
+
+    def _load_engine_early(self, job: JobDir) -> None:
+        """Starts loading the engine in the background while the first steps run (the steps that
+        need it wait for it), when the job has rows left to generate."""
+        if not unfinished_shards(job):
+            return
+        manifest = job.manifest()
+
+        def load() -> None:
+            started = time.monotonic()
+            try:
+                self.engine.engine_for(manifest)
+            except Exception as exc:  # the step that needs the engine loads it again and reports why
+                log.info("loading the engine ahead of time failed: %s", exc)
+                return
+            record_timing(job, "engine_load", time.monotonic() - started)  # ~0 when it was loaded already
+
+        threading.Thread(target=load, name="anex-engine-load", daemon=True).start()
+
     def _register(self, job: JobDir) -> None:
         """Adds the job's partition to this instance (a job's folder may outlive an instance)."""
         if not self.instance.has_dynamic_partition(JOBS, job.job_id):
@@ -84,6 +122,8 @@ class JobRunner:
         return unfinished_shards(job)
 
     def close(self) -> None:
+        while self._leases:
+            self._leases.popitem()[1].close()
         release_engines()
 
     def _execute(self, job_name: str, partition_key: str) -> None:
@@ -91,6 +131,7 @@ class JobRunner:
             instance=self.instance,
             partition_key=partition_key,
             run_config={"loggers": QUIET_LOGGERS},
+            tags={LAUNCHED_BY_TAG: "cli"},
             raise_on_error=False,
         )
         if not result.success:
@@ -100,8 +141,5 @@ class JobRunner:
 def _first_error(result: dg.ExecuteInProcessResult) -> str | None:
     for event in result.all_events:
         if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            error = event.step_failure_data.error
-            while error.cause is not None and error.message.startswith("dagster."):
-                error = error.cause
-            return error.message.strip()
+            return step_error_message(event.step_failure_data.error)
     return None

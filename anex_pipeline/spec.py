@@ -74,6 +74,7 @@ class JobOptions(_Strict):
     estimate_sample_size: int = Field(default=100, ge=4, le=4096)
     estimate_seed: int = 0
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
+    reuse_answers: bool = True  # identical deterministic rows are generated once
     time_limit_s: float | None = Field(default=None, gt=0)
     prices: Prices | None = None
 
@@ -152,6 +153,7 @@ class RowOutcome:
     completion_flag: str | None = None
     format_error: bool = False
     usage: dict[str, int] = field(default_factory=dict)
+    reused: bool = False  # a copy of the answer of an identical deterministic row
 
     @property
     def ok(self) -> bool:
@@ -171,6 +173,7 @@ class RowOutcome:
             "flag": self.completion_flag,
             "format_error": self.format_error,
             "usage": self.usage,
+            "reused": self.reused,
         }
 
     @classmethod
@@ -185,6 +188,7 @@ class RowOutcome:
             completion_flag=rec.get("flag"),
             format_error=bool(rec.get("format_error")),
             usage=rec.get("usage") or {},
+            reused=bool(rec.get("reused")),
         )
 
 
@@ -235,4 +239,6 @@ class JobReport(BaseModel):
     throughput: Throughput = Field(default_factory=Throughput)
     # Completion lengths of the rows that completed: p50, p90, p95, p99 and max output tokens.
     output_tokens: dict[str, int] = Field(default_factory=dict)
+    # Rows answered with a copy of an identical deterministic row's answer (option reuse_answers).
+    reused_answer_rows: int = 0
     cost: float | None = None

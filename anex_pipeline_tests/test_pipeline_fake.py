@@ -129,7 +129,7 @@ def test_backfill_command_reruns_only_unfinished_shards(
 
 
 class SlowEngineResource(FakeEngineResource):
-    """The fake engine, taking 0.2 s per call, so that a time limit falls in the middle of a job."""
+    """The fake engine, taking 0.5 s per call, so that a time limit falls in the middle of a job."""
 
     def engine_for(self, manifest):  # type: ignore[no-untyped-def]
         engine = super().engine_for(manifest)
@@ -138,7 +138,7 @@ class SlowEngineResource(FakeEngineResource):
             model_name = engine.model_name
 
             def run(self, requests):  # type: ignore[no-untyped-def]
-                time.sleep(0.2)
+                time.sleep(0.5)
                 return engine.run(requests)
 
         return Slow()
@@ -148,10 +148,10 @@ def test_time_limit_stops_early_and_delivers_finished_rows(tmp_path: Path, insta
     runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SlowEngineResource())
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q {i}", max_tokens=20) for i in range(100)])
     out = tmp_path / "out.jsonl"
-    job = runner.submit(str(src), str(out), {"time_limit_s": 1.0, "checkpoint_rows": 5, "shards": 2})
+    job = runner.submit(str(src), str(out), {"time_limit_s": 4.0, "checkpoint_rows": 5, "shards": 2})
     report = runner.run(job)
     assert report.status == "stopped_early"
-    assert "time limit of 1 s" in (report.failure_reason or "")
+    assert "time limit of 4 s" in (report.failure_reason or "")
     delivered = [line["custom_id"] for line in read_jsonl(out)]
     assert 0 < len(delivered) < 100
     assert delivered == [f"t{i}" for i in range(100) if f"t{i}" in set(delivered)]  # in order, once

@@ -35,13 +35,16 @@ QUESTIONS = [
 COUNTRIES = ["France", "Japan", "Brazil", "Kenya", "Canada", "India", "Norway", "Peru", "Egypt", "Vietnam"]
 
 
-def make_input(path: Path, rows: int, seed: int = 0) -> None:
-    """Chat rows of mixed lengths with shared system prompts and some repeated prompts."""
+def make_input(path: Path, rows: int, seed: int = 0, unique: bool = False) -> None:
+    """Chat rows of mixed lengths with shared system prompts and some repeated prompts (with
+    ``unique``, every question is made different so that no answer can be reused)."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(rows):
             system = rng.choice(SYSTEMS)
             question = rng.choice(QUESTIONS).format(c=rng.choice(COUNTRIES))
+            if unique:
+                question += f" (question {i})"
             body = {
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
                 "max_tokens": rng.choice([16, 32, 48, 64]),
@@ -65,47 +68,57 @@ def run_peer(src: Path, out: Path, model: str) -> float:
         "--model", model, "--served-model-name", DEFAULT_CHAT_MODEL, "--dtype", "float32", "--enforce-eager",
         "--gpu-memory-utilization", "0.3", "--max-model-len", "2048",
     ]  # fmt: skip
-    return _timed(command)
+    return _timed(command)[0]
 
 
-def run_ours(src: Path, out: Path, work: Path) -> float:
+def run_ours(src: Path, out: Path, work: Path) -> tuple[float, dict]:
+    """Wall time and the job report (printed on stdout)."""
     command = [
         str(Path(sys.executable).with_name("anex-pipeline")), "run", str(src), "-o", str(out),
         "--max-model-len", "2048", "--work-dir", str(work), "--quiet",
     ]  # fmt: skip
-    return _timed(command)
+    seconds, stdout = _timed(command)
+    return seconds, json.loads(stdout)
 
 
-def _timed(command: list[str]) -> float:
+def _timed(command: list[str]) -> tuple[float, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     started = time.perf_counter()
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return time.perf_counter() - started, done.stdout
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--unique", action="store_true", help="no repeated prompts: measures without answer reuse")
     args = parser.parse_args()
     model = local_model_path(DEFAULT_CHAT_MODEL)
     ratios = []
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         src = tmp / "in.jsonl"
-        make_input(src, args.rows)
+        make_input(src, args.rows, unique=args.unique)
         for pair in range(args.pairs):
             peer_out, our_out = tmp / f"peer{pair}.jsonl", tmp / f"ours{pair}.jsonl"
             peer_s = run_peer(src, peer_out, model)
-            our_s = run_ours(src, our_out, tmp / f"work{pair}")  # a fresh work folder: no resumed rows
+            our_s, report = run_ours(src, our_out, tmp / f"work{pair}")  # a fresh work folder: no resumed rows
             peer_tok, our_tok = output_tokens(peer_out), output_tokens(our_out)
             ratios.append(our_s / peer_s)
+            timings, usage = report["timings"], report["usage"]
+            cached = usage["cached_prompt_tokens"] / max(1, usage["prompt_tokens"])
+            engine_s = timings.get("engine_load", 0.0) + timings.get("generate", 0.0) + timings.get("estimate", 0.0)
             print(
                 f"pair {pair + 1}: run_batch {peer_s:.1f} s ({peer_tok / peer_s:.1f} out tok/s) | "
-                f"anex-pipeline {our_s:.1f} s ({our_tok / our_s:.1f} out tok/s) | time ratio {our_s / peer_s:.2f}",
+                f"anex-pipeline {our_s:.1f} s ({our_tok / our_s:.1f} out tok/s) | time ratio {our_s / peer_s:.2f}\n"
+                f"    ours: engine load + generation {engine_s:.1f} s, everything else "
+                f"{our_s - engine_s:.1f} s ({(our_s - engine_s) / our_s:.1%}); rows answered by an identical row "
+                f"{report['reused_answer_rows']}; prompt tokens from vLLM's prefix cache {cached:.0%}",
                 flush=True,
             )
-    print(f"{args.rows} rows, median time ratio (ours / run_batch): {statistics.median(ratios):.2f}")
+    kind = "unique" if args.unique else "with repeats"
+    print(f"{args.rows} rows ({kind}), median time ratio (ours / run_batch): {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ def generations(
         summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
     except JobStopped as exc:  # cancelled or out of time: retrying would not help
         raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
-    record_timing(job, "generate", summary.seconds)
+    record_timing(job, "engine_wait", summary.engine_wait_s)
+    record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     return dg.MaterializeResult(metadata=summary.as_metadata())
 
 

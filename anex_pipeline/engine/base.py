@@ -8,7 +8,8 @@ object. Everything after generation is therefore the same for every engine.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,6 +124,55 @@ def run_checked(engine: Engine, requests: Sequence[EngineRequest]) -> list[RowOu
     """Runs the requests and applies the after-generation checks (cap reached, format) to each."""
     outcomes = engine.run(requests)
     return [mark_completion(o, r.response_format, r.endpoint) for o, r in zip(outcomes, requests, strict=True)]
+
+
+def stream_checked(
+    engine_for: Callable[[], Engine], requests: Iterable[EngineRequest], group_rows: int
+) -> Iterator[list[RowOutcome]]:
+    """Runs the requests and yields their checked outcomes in groups of about ``group_rows``, in
+    the order rows finish.
+
+    An engine with a ``stream`` method is kept busy across groups (it pulls requests as it has
+    room, so the batch never drains between checkpoints); any other engine runs one group at a
+    time. Closing the generator early lets the engine drop the rows still in flight. The engine
+    is asked for only once there is a request for it.
+    """
+    asked: dict[int, EngineRequest] = {}
+    pending = iter(requests)
+    first = next(pending, None)
+    if first is None:
+        return
+
+    def recorded() -> Iterator[EngineRequest]:
+        for req in itertools.chain([first], pending):
+            asked[req.index] = req
+            yield req
+
+    engine = engine_for()
+    stream = getattr(engine, "stream", None)
+    groups = stream(recorded(), group_rows) if stream is not None else _in_groups(engine, recorded(), group_rows)
+    try:
+        for group in groups:
+            checked = []
+            for o in group:
+                req = asked.pop(o.index)
+                checked.append(mark_completion(o, req.response_format, req.endpoint))
+            yield checked
+    finally:
+        groups.close()
+
+
+def collect(
+    stream: Callable[[Iterable[EngineRequest], int], Iterator[list[RowOutcome]]], requests: Sequence[EngineRequest]
+) -> list[RowOutcome]:
+    """An engine's ``run`` on top of its ``stream``: every outcome, in the order of the requests."""
+    outcomes = {o.index: o for group in stream(requests, max(1, len(requests))) for o in group}
+    return [outcomes[r.index] for r in requests]
+
+
+def _in_groups(engine: Engine, requests: Iterator[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
+    while group := list(itertools.islice(requests, group_rows)):
+        yield engine.run(group)
 
 
 def rejected(request: EngineRequest, message: str, param: str | None = None, code: str | None = None) -> RowOutcome:

@@ -14,15 +14,15 @@ import logging
 import random
 import re
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from anex_pipeline.completions import unit_vector
-from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.base import EngineRequest, collect
 from anex_pipeline.http_retry import retry_after_seconds
 from anex_pipeline.spec import RowError, RowOutcome
 
@@ -109,10 +109,33 @@ class OpenAIHttpEngine:
         )
 
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
-        if not requests:
-            return []
-        with ThreadPoolExecutor(max_workers=min(self.settings.max_concurrency, len(requests))) as pool:
-            return list(pool.map(self._run_one, requests))
+        return collect(self.stream, requests)
+
+    def stream(self, requests: Iterable[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
+        """Sends a row whenever a slot frees up, so ``max_concurrency`` requests stay in flight
+        across groups, and yields finished rows in groups of about ``group_rows``. Closing the
+        generator early sends nothing more and waits only for the requests already sent."""
+        source = iter(requests)
+        room = self.settings.max_concurrency
+        done: list[RowOutcome] = []
+        with ThreadPoolExecutor(max_workers=room) as pool:
+            flying: set[Future[RowOutcome]] = set()
+            try:
+                while True:
+                    while len(flying) < room and (req := next(source, None)) is not None:
+                        flying.add(pool.submit(self._run_one, req))
+                    if not flying:
+                        break
+                    finished, flying = wait(flying, return_when=FIRST_COMPLETED)
+                    done.extend(f.result() for f in finished)
+                    if len(done) >= group_rows:
+                        yield done
+                        done = []
+                if done:
+                    yield done
+            finally:
+                for f in flying:
+                    f.cancel()
 
     def _run_one(self, req: EngineRequest) -> RowOutcome:
         body = request_body(req, self.model_name)

@@ -20,14 +20,16 @@ by :mod:`anex_pipeline.parsing`.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
-from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, engine_failure, rejected
+from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, collect, engine_failure, rejected
+from anex_pipeline.engine.watchdog import EngineProcessDied, watch_engine
 from anex_pipeline.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -63,6 +65,7 @@ SAMPLING_KEYS = frozenset(
 )
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
+SHUTDOWN_GRACE_S = 1.0
 MEDIA_PART_TYPES = {"image_url": "images", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 
 
@@ -90,6 +93,19 @@ class ThinkingIds:
     end: list[int]
     closing: list[int]  # the end tag and what leads into the answer
     notice: list[int]
+
+
+@dataclass
+class _Flight:
+    """A row in the engine: its prompt, its sampling parameters and, once a cut trace is being
+    continued, the head (trace, notice, end tag) the continuation follows."""
+
+    req: EngineRequest
+    prompt_ids: list[int]
+    params: Any
+    cached_tokens: int = 0
+    head: list[int] | None = None
+    head_text: str = ""
 
 
 @dataclass
@@ -139,6 +155,7 @@ class VllmLocalEngine:
         self.max_model_len: int = config.max_model_len
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
         self.dead = False
+        self._request_ids = itertools.count()
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
         names = ParserNames(settings.reasoning_parser, settings.tool_parser)
         # vLLM's server reads GPT-OSS output as harmony channels; so do we.
@@ -153,7 +170,9 @@ class VllmLocalEngine:
     def shutdown(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+            # vLLM waits 5 s for its engine process to leave after SIGTERM, which it never does
+            # in time on the CPU build, and then kills it anyway; nothing is left to save by then.
+            engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
         del self.llm
         gc.collect()
 
@@ -246,111 +265,160 @@ class VllmLocalEngine:
     # -- running -------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
-        outcomes: dict[int, RowOutcome] = {}
-        ready: list[tuple[EngineRequest, list[int], Any]] = []
-        for req in requests:
-            try:
-                ids = self._prompt_ids(req)
-                params = None if req.endpoint == "embeddings" else self._sampling_params(req, len(ids))
-                if req.endpoint == "embeddings" and len(ids) > self.max_model_len:
-                    raise RequestProblem(
-                        f"the input has {len(ids)} tokens but the model takes at most {self.max_model_len}", "input"
-                    )
-            except RequestProblem as p:
-                outcomes[req.index] = rejected(req, p.message, p.param)
-                continue
-            ready.append((req, ids, params))
-        from vllm.v1.engine.exceptions import EngineDeadError
+        if self.settings.runner == "pooling":
+            return self._embed(requests)
+        return collect(self.stream, requests)
+
+    def stream(self, requests: Iterable[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
+        """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
+        the engine has room, and finished rows come back in groups of about ``group_rows`` (in the
+        order they finish). A row vLLM refuses fails alone; closing the generator early aborts the
+        rows still in flight."""
+        if self.settings.runner == "pooling":
+            while group := list(itertools.islice(requests, group_rows)):
+                yield self._embed(group)
+            return
+        engine = self.llm.llm_engine
+        room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
+        source = iter(requests)
+        flights: dict[str, _Flight] = {}
+        done: list[RowOutcome] = []
+        more = True
+        try:
+            with watch_engine(self.llm):  # a dead engine process fails the call instead of hanging it
+                while more or flights:
+                    while more and len(flights) < room:
+                        req = next(source, None)
+                        more = req is not None
+                        if req is not None:
+                            self._start(req, flights, done)
+                    if flights:
+                        for out in engine.step():
+                            if out.finished:
+                                self._land(flights.pop(out.request_id), out, flights, done)
+                    if len(done) >= group_rows or (done and not (more or flights)):
+                        yield done
+                        done = []
+        except EngineProcessDied:
+            self.dead = True  # load_engine replaces a dead engine; the shard's retry gets a new one
+            raise
+        finally:
+            if flights and not self.dead:
+                engine.abort_request(list(flights))
+
+    def _start(self, req: EngineRequest, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
+        """Hands one row to the engine, or records why it cannot run."""
+        from vllm.exceptions import VLLMValidationError
 
         try:
-            finished = self._run_isolating(ready)
-        except EngineDeadError:
-            self.dead = True  # load_engine replaces a dead engine; the shard's retry gets a new one
+            ids = self._prompt_ids(req)
+            params = self._sampling_params(req, len(ids))
+            self._send(_Flight(req, ids, params), ids, params, flights)
+        except RequestProblem as p:
+            done.append(rejected(req, p.message, p.param))
+        except (VLLMValidationError, ValueError, TypeError) as exc:
+            done.append(rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))
+
+    def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
+        request_id = f"anex-{next(self._request_ids)}"
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        flights[request_id] = flight
+
+    def _land(self, flight: _Flight, res: Any, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
+        """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
+        out = res.outputs[0]
+        if flight.head is None:
+            flight.cached_tokens = res.num_cached_tokens or 0
+            answer = Answer(list(out.token_ids), out.text, out.finish_reason)
+            if self._continue_after_notice(flight, answer, flights):
+                return
+        else:
+            answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason)
+        done.append(self._completion_outcome(flight, answer))
+
+    def _continue_after_notice(self, flight: _Flight, answer: Answer, flights: dict[str, _Flight]) -> bool:
+        """A row whose trace the budget cut: the notice goes before the end tag and the answer is
+        generated again after it, within what is left of the row's max_tokens. Returns whether
+        the row is still in flight."""
+        t, params = self.thinking, flight.params
+        budget = params.thinking_token_budget if t is not None else None
+        cut = budget_cut(flight.prompt_ids, answer.token_ids, t.start, t.end, budget) if t and budget else None
+        if cut is None:
+            return False
+        head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
+        flight.head, flight.head_text = (
+            head,
+            self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens),
+        )
+        left = params.max_tokens - len(head)
+        if left < 1:
+            flight.head = None
+            answer.token_ids, answer.text, answer.finish_reason = head, flight.head_text, "length"
+            return False
+        follow = params.clone()
+        follow.max_tokens, follow.thinking_token_budget = left, None
+        follow.min_tokens = max(0, follow.min_tokens - len(head))
+        self._send(flight, flight.prompt_ids + head, follow, flights)
+        return True
+
+    def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        outcomes: dict[int, RowOutcome] = {}
+        ready: list[tuple[EngineRequest, list[int]]] = []
+        for req in requests:
+            ids = self._prompt_ids(req)
+            if len(ids) > self.max_model_len:
+                problem = f"the input has {len(ids)} tokens but the model takes at most {self.max_model_len}"
+                outcomes[req.index] = rejected(req, problem, "input")
+            else:
+                ready.append((req, ids))
+        try:
+            with watch_engine(self.llm):  # a dead engine process fails the call instead of hanging it
+                finished = self._embed_isolating(ready)
+        except EngineProcessDied:
+            self.dead = True
             raise
         for req, outcome in finished:
             outcomes[req.index] = outcome
         return [outcomes[r.index] for r in requests]
 
-    def _run_isolating(
-        self, ready: list[tuple[EngineRequest, list[int], Any]]
-    ) -> list[tuple[EngineRequest, RowOutcome]]:
-        """Runs the batch; if vLLM refuses it as a whole, splits it to find the rows at fault."""
+    def _embed_isolating(self, ready: list[tuple[EngineRequest, list[int]]]) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Embeds the batch; if vLLM refuses it as a whole, splits it to find the rows at fault."""
         from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
 
         if not ready:
             return []
         try:
-            return self._run_batch(ready)
+            results = self.llm.embed([TokensPrompt(prompt_token_ids=ids) for _, ids in ready], use_tqdm=False)
         except (VLLMValidationError, ValueError, TypeError) as exc:
             if len(ready) == 1:
                 req = ready[0][0]
                 return [(req, rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))]
             log.info("batch of %d refused (%s); isolating the rows at fault", len(ready), exc)
             half = len(ready) // 2
-            return self._run_isolating(ready[:half]) + self._run_isolating(ready[half:])
-
-    def _run_batch(self, ready: list[tuple[EngineRequest, list[int], Any]]) -> list[tuple[EngineRequest, RowOutcome]]:
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in ready]
-        if ready[0][0].endpoint == "embeddings":
-            results = self.llm.embed(prompts, use_tqdm=False)
-            return [
-                (req, self._embedding_outcome(req, len(ids), res.outputs.embedding))
-                for (req, ids, _), res in zip(ready, results, strict=True)
-            ]
-        results = self.llm.generate(prompts, [p for _, _, p in ready], use_tqdm=False)
-        answers = [Answer(list(r.outputs[0].token_ids), r.outputs[0].text, r.outputs[0].finish_reason) for r in results]
-        self._answer_after_notice(ready, answers)
+            return self._embed_isolating(ready[:half]) + self._embed_isolating(ready[half:])
         return [
-            (req, self._completion_outcome(req, res, answer))
-            for (req, _, _), res, answer in zip(ready, results, answers, strict=True)
+            (req, self._embedding_outcome(req, len(ids), res.outputs.embedding))
+            for (req, ids), res in zip(ready, results, strict=True)
         ]
 
-    def _answer_after_notice(self, ready: list[tuple[EngineRequest, list[int], Any]], answers: list[Answer]) -> None:
-        """Rows whose trace the budget cut: the notice goes before the end tag and the answer is
-        generated again after it, within what is left of the row's max_tokens."""
-        from vllm.inputs import TokensPrompt
-
-        t = self.thinking
-        if t is None:
-            return
-        again: list[tuple[int, list[int], str, Any, Any]] = []
-        for n, ((_, ids, params), answer) in enumerate(zip(ready, answers, strict=True)):
-            budget = params.thinking_token_budget
-            cut = budget_cut(ids, answer.token_ids, t.start, t.end, budget) if budget else None
-            if cut is None:
-                continue
-            head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
-            text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
-            room = params.max_tokens - len(head)
-            if room < 1:
-                answers[n] = Answer(head, text, "length")
-                continue
-            follow = params.clone()
-            follow.max_tokens, follow.thinking_token_budget = room, None
-            follow.min_tokens = max(0, follow.min_tokens - len(head))
-            again.append((n, head, text, TokensPrompt(prompt_token_ids=ids + head), follow))
-        if not again:
-            return
-        results = self.llm.generate([a[3] for a in again], [a[4] for a in again], use_tqdm=False)
-        for (n, head, text, _, _), res in zip(again, results, strict=True):
-            out = res.outputs[0]
-            answers[n] = Answer(head + list(out.token_ids), text + out.text, out.finish_reason)
-
-    def _completion_outcome(self, req: EngineRequest, res: Any, answer: Answer) -> RowOutcome:
+    def _completion_outcome(self, flight: _Flight, answer: Answer) -> RowOutcome:
+        req = flight.req
         if answer.finish_reason not in ("stop", "length"):
             return engine_failure(req, f"generation ended abnormally ({answer.finish_reason})")
-        prompt_ids = list(res.prompt_token_ids or [])
-        parsed = self._parsed(req, answer.text, answer.token_ids, prompt_ids)
+        parsed = self._parsed(req, answer.text, answer.token_ids, flight.prompt_ids)
         t = self.thinking
-        thinking = count_thinking_tokens(prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
+        thinking = count_thinking_tokens(flight.prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
         g = Generated(
             text=parsed.content,
             finish_reason=answer.finish_reason,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(flight.prompt_ids),
             completion_tokens=len(answer.token_ids),
-            cached_tokens=res.num_cached_tokens or 0,
+            cached_tokens=flight.cached_tokens,
             reasoning=parsed.reasoning,
             reasoning_tokens=thinking,
             tool_calls=parsed.tool_calls,

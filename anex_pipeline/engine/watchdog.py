@@ -1,0 +1,73 @@
+"""Turns the death of vLLM's engine process into an error of the call, instead of a hang.
+
+In multiprocess mode (vLLM 0.32's default) the offline ``LLM`` hands requests to an EngineCore
+process and reads its outputs from a queue that a socket thread fills. When that process dies
+without a word (the OOM killer, SIGKILL, a crash in native code), vLLM's own monitor notices
+within a second and shuts the client down, but it puts nothing on the queue: ``LLM.generate``
+then waits on it for ever. :func:`watch_engine` waits on the engine processes while a call runs;
+when one ends it puts vLLM's ``EngineDeadError`` on that queue, so the call raises at once, and
+it turns the error into :class:`EngineProcessDied`, which says how the process ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import Pipe, connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+
+class EngineProcessDied(RuntimeError):
+    """vLLM's engine process ended during a call; the engine cannot be used any more."""
+
+
+def engine_processes(llm: Any) -> list[BaseProcess]:
+    """The EngineCore processes of a ``vllm.LLM`` (none when the core runs in this process)."""
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+@contextmanager
+def watch_engine(llm: Any) -> Iterator[None]:
+    """Runs the body while a thread watches the engine processes of ``llm``.
+
+    If a process ends, the body's vLLM call fails at once with :class:`EngineProcessDied`
+    instead of blocking; any other ``EngineDeadError`` of vLLM is raised as one too.
+    """
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    processes = engine_processes(llm)
+    outputs = getattr(llm.llm_engine.engine_core, "outputs_queue", None)
+    calm, end_of_call = Pipe(duplex=False)  # closing end_of_call wakes the watchdog at once
+
+    def watch() -> None:
+        if calm not in connection.wait([calm, *(p.sentinel for p in processes)]):
+            outputs.put_nowait(EngineDeadError(suppress_context=True))
+
+    thread = threading.Thread(target=watch, name="anex-engine-watchdog", daemon=True)
+    if processes and outputs is not None:  # an in-process core has no process of its own to lose
+        thread.start()
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise EngineProcessDied(_how_it_ended(processes)) from exc
+    finally:
+        end_of_call.close()
+        if thread.ident is not None:
+            thread.join()
+        calm.close()
+
+
+def _how_it_ended(processes: list[BaseProcess]) -> str:
+    how = ""
+    ended = connection.wait([p.sentinel for p in processes], timeout=1) if processes else []
+    for p in processes:
+        if p.sentinel in ended:
+            p.join(timeout=2)  # the exit status is known once the process is reaped
+            if p.exitcode is not None:
+                how = f" (signal {-p.exitcode})" if p.exitcode < 0 else f" (exit code {p.exitcode})"
+            break
+    return f"the vLLM engine process died{how} during generation; finished rows are kept, rerun to resume"
