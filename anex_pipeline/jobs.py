@@ -7,25 +7,35 @@ the job through :class:`JobDir`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import math
 import os
 import re
+import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import msgspec
 from pydantic import BaseModel
 
-from anex_pipeline.formats import FileFormat, InputRow, jsonl, parquet, sniff_format
+from anex_pipeline.formats import FileFormat, InputRow, decode_stored_outcome, jsonl, parquet, sniff_format
 from anex_pipeline.models import resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
 
 ROWS_PER_SHARD = 4096
 MAX_REPORTED_PROBLEMS = 1000
+T = TypeVar("T")
+JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+FORMATS = {"jsonl": jsonl, "parquet": parquet}
+READ_BLOCK = 1 << 18
+MAX_OPEN_RUNS = 64  # runs of a checkpoint merged side by side; more are merged on disk first
+PATCH_BYTES = 8 << 20  # small runs of a checkpoint held in memory while the merge streams the big ones
 
 
 class ShardRange(BaseModel):
@@ -87,19 +97,34 @@ def make_job_id(input_path: Path, *identity: Any) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Writes a file so that readers see the old content or the new, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # e.g. the disk is full: leave no temp file behind, name the real file
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise write_error(exc, path) from None
+
+
+def write_error(exc: OSError, path: Path) -> OSError:
+    """The same error about ``path``, the file the job meant to write (not a temp file)."""
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 class JobDir:
     """Paths and readers of one job's work folder."""
 
     def __init__(self, work_root: Path | str, job_id: str):
+        if not JOB_ID.fullmatch(job_id):  # the id names a folder: it must stay one folder under work_root
+            raise ValueError(
+                f"job id {job_id[:80]!r} cannot name a job folder: use at most 200 letters, digits, '-', '_' "
+                "and '.', not starting with '.'"
+            )
         self.job_id = job_id
         self.root = Path(work_root) / job_id
 
@@ -116,8 +141,8 @@ class JobDir:
     def shard_dir(self, shard: int) -> Path:
         return self.root / "shards" / shard_key(shard)
 
-    def requests_path(self, shard: int) -> Path:
-        return self.shard_dir(shard) / "requests.jsonl"
+    def requests_path(self, shard: int, kind: FileFormat) -> Path:
+        return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
 
     def checkpoint_path(self, shard: int) -> Path:
         return self.shard_dir(shard) / "results.jsonl"
@@ -135,14 +160,17 @@ class JobDir:
         return self.root / "stop.json"
 
     def read_requests(self, shard: int) -> Iterator[InputRow]:
-        with self.requests_path(shard).open(encoding="utf-8") as f:
-            for line in f:
-                rec = msgspec.json.decode(line)
-                yield InputRow(index=rec["i"], key=rec["key"], body=rec["body"])
+        manifest = self.manifest()
+        path = self.requests_path(shard, manifest.format)
+        yield from FORMATS[manifest.format].read_shard(path, manifest.endpoint, manifest.job_options())
 
     def read_checkpoint(self, shard: int) -> dict[int, RowOutcome]:
         """The latest outcome per row index; a torn last line (a killed writer) is ignored."""
         return read_outcomes(self.checkpoint_path(shard))
+
+    def latest_records(self, shard: int, rng: ShardRange, decode: Callable[[bytes], T]) -> Iterator[T]:
+        """The latest record of each finished row of the shard, by row order (see :func:`latest_records`)."""
+        return latest_records(self.checkpoint_path(shard), rng.start, rng.stop, decode)
 
     @property
     def deadline_path(self) -> Path:
@@ -172,34 +200,271 @@ def unfinished_shards(job: JobDir) -> list[int]:
     return [
         shard
         for shard, rng in enumerate(job.manifest().shards)
-        if sum(1 for o in job.read_checkpoint(shard).values() if o.ok) < rng.size
+        if sum(not o.failed for o in job.latest_records(shard, rng, decode_stored_outcome)) < rng.size
     ]
 
 
 def read_outcomes(path: Path) -> dict[int, RowOutcome]:
+    """The latest outcome per row index; a torn line (a killed writer) is skipped."""
     found: dict[int, RowOutcome] = {}
     if not path.exists():
         return found
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
-                rec = msgspec.json.decode(line)
-            except msgspec.DecodeError:
-                break
-            found[rec["i"]] = RowOutcome.from_record(rec)
+    for _, line in _complete_lines(path):
+        try:
+            rec = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            continue
+        found[rec["i"]] = RowOutcome.from_record(rec)
     return found
+
+
+class _RowIndex(msgspec.Struct):
+    i: int
+
+
+_row_index = msgspec.json.Decoder(_RowIndex).decode
+
+
+def latest_records(path: Path, start: int, stop: int, decode: Callable[[bytes], T]) -> Iterator[T]:
+    """The last readable record written for each row index in ``[start, stop)``, decoded, by
+    ascending index.
+
+    A checkpoint is append-only: mostly ascending runs of rows, with reruns and reused samples
+    appended out of order. The file is read twice: once for the byte ranges of its ascending
+    runs, then the runs are merged by index; of the lines written for one index the latest
+    readable one wins (an older one when the latest is torn). Memory does not grow with the
+    file: the smallest runs, up to ``PATCH_BYTES`` in all, are held in memory; the others (at
+    least the largest) are read side by side, at most ``MAX_OPEN_RUNS`` of them, a file with
+    more having groups of them merged into temporary files first.
+    """
+    if not path.exists():
+        return
+    runs = _ascending_runs(path, start, stop)
+    if len(runs) == 1:  # the common case: no index twice, nothing to merge
+        yield from _decoded(_run_lines(path, *runs[0]), decode)
+        return
+    held: dict[int, list[tuple[int, bytes]]] = {}  # index -> (run number, line)
+    room = PATCH_BYTES
+    *smaller, largest = sorted(range(len(runs)), key=lambda n: runs[n][1] - runs[n][0])
+    streamed = [largest]
+    for n in smaller:
+        begin, end = runs[n]
+        if end - begin > room:
+            streamed.append(n)
+            continue
+        room -= end - begin
+        for line in _run_lines(path, begin, end):
+            held.setdefault(_index_of(line), []).append((n, line))
+    if len(streamed) == 1:  # one big run and a few stray lines (reused samples, reruns)
+        yield from _patched_run(path, streamed[0], runs[streamed[0]], held, decode)
+        return
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".merge-") as spill:
+        sources = [_tagged_lines(path, n, *runs[n]) for n in sorted(streamed)]
+        names = itertools.count()
+        while len(sources) > MAX_OPEN_RUNS:
+            merged = []
+            for n in range(0, len(sources), MAX_OPEN_RUNS):
+                out = Path(spill) / f"run-{next(names)}"
+                with out.open("wb") as f:
+                    for index, run, line in heapq.merge(*sources[n : n + MAX_OPEN_RUNS]):
+                        f.write(b"%d %d %b\n" % (index, run, line))
+                merged.append(_spilled_lines(out))
+            sources = merged
+        stream = sources[0] if len(sources) == 1 else heapq.merge(*sources)
+        for candidates in _by_index(stream, held):
+            yield from _latest_of(candidates, decode)
+
+
+def _readable(line: bytes, decode: Callable[[bytes], T]) -> T | None:
+    """The decoded line, or None for a torn one (a record of the wrong shape is an error)."""
+    try:
+        return decode(line)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError:
+        return None
+
+
+def _decoded(lines: Iterable[bytes], decode: Callable[[bytes], T]) -> Iterator[T]:
+    for line in lines:
+        if (record := _readable(line, decode)) is not None:
+            yield record
+
+
+def _latest_of(candidates: list[tuple[int, bytes]], decode: Callable[[bytes], T]) -> Iterator[T]:
+    """The decoded line of the latest run among one index's (run, line) candidates that reads."""
+    for _, line in sorted(candidates, reverse=True):
+        if (record := _readable(line, decode)) is not None:
+            yield record
+            return
+
+
+def _patched_run(
+    path: Path,
+    run: int,
+    span: tuple[int, int],
+    held: dict[int, list[tuple[int, bytes]]],
+    decode: Callable[[bytes], T],
+) -> Iterator[T]:
+    """One ascending run merged with the lines held in memory: the run streams undecoded up to
+    each held index, found by bisecting the run's bytes."""
+    begin, end = span
+    with path.open("rb") as f:
+        for index in sorted(held):
+            cut = _first_line_from(f, begin, end, index)
+            yield from _decoded(_run_lines(path, begin, cut), decode)
+            candidates = held[index]
+            f.seek(cut)
+            line = f.readline()
+            begin = cut
+            if cut < end and _index_of(line[:-1]) == index:
+                candidates = [*candidates, (run, line[:-1])]
+                begin += len(line)
+            yield from _latest_of(candidates, decode)
+    yield from _decoded(_run_lines(path, begin, end), decode)
+
+
+def _first_line_from(f: BinaryIO, begin: int, end: int, index: int) -> int:
+    """In an ascending run of whole lines at ``[begin, end)``, the offset of the first line whose
+    index is ``index`` or more (``end`` when there is none)."""
+    lo, hi = begin, end  # lines starting before lo are below index; the line at hi is not
+    while lo < hi:
+        start = (lo + hi) // 2
+        if start > lo:
+            f.seek(start - 1)
+            f.readline()
+            start = f.tell()
+        if start >= hi:
+            start = lo
+        f.seek(start)
+        line = f.readline()
+        if _index_of(line[:-1]) >= index:
+            hi = start
+        else:
+            lo = start + len(line)
+    return lo
+
+
+def _by_index(
+    stream: Iterator[tuple[int, int, bytes]], held: dict[int, list[tuple[int, bytes]]]
+) -> Iterator[list[tuple[int, bytes]]]:
+    """The (run, line) candidates of each index, by ascending index, from an index-ordered stream
+    of (index, run, line) and the runs held in memory."""
+    extra = iter(sorted(held))
+    following = next(extra, None)
+    group: list[tuple[int, bytes]] = []
+    current = -1
+    for index, run, line in stream:
+        if index != current:
+            if group:
+                yield group
+            while following is not None and following <= index:
+                if following < index:
+                    yield held.pop(following)
+                following = next(extra, None)
+            group = held.pop(index, [])
+            current = index
+        group.append((run, line))
+    if group:
+        yield group
+    while following is not None:
+        yield held.pop(following)
+        following = next(extra, None)
+
+
+def _tagged_lines(path: Path, run: int, begin: int, end: int) -> Iterator[tuple[int, int, bytes]]:
+    for line in _run_lines(path, begin, end, 1 << 16):
+        yield _index_of(line), run, line
+
+
+def _spilled_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    for line in _run_lines(path, 0, path.stat().st_size, 1 << 16):
+        index, run, rest = line.split(b" ", 2)
+        yield int(index), int(run), rest
+
+
+def _index_of(line: bytes) -> int:
+    """A checkpoint line's row index (records start with it); -1 for a line that is not one."""
+    if line.startswith(b'{"i":'):
+        end = line.find(b",", 5)
+        if end > 5 and line[5:end].isdigit():
+            return int(line[5:end])
+    try:
+        return _row_index(line).i
+    except msgspec.DecodeError:
+        return -1
+
+
+def _complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Each newline-ended line (without the newline) and its offset; an unended tail is left out."""
+    offset = 0
+    rest = b""
+    with path.open("rb") as f:
+        while block := f.read(READ_BLOCK):
+            lines = (rest + block).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                yield offset, line
+                offset += len(line) + 1
+
+
+def _ascending_runs(path: Path, start: int, stop: int) -> list[tuple[int, int]]:
+    """Byte ranges of the file's maximal runs of lines with ascending row indices in range."""
+    runs = []
+    begin = None
+    last = end = 0
+    for offset, line in _complete_lines(path):
+        index = _index_of(line)
+        wanted = start <= index < stop
+        if begin is not None and (not wanted or index <= last):
+            runs.append((begin, offset))
+            begin = None
+        if wanted:
+            begin = offset if begin is None else begin
+            last, end = index, offset + len(line) + 1
+    if begin is not None:
+        runs.append((begin, end))
+    return runs
+
+
+def _run_lines(path: Path, begin: int, end: int, block: int = READ_BLOCK) -> Iterator[bytes]:
+    """The lines (without newlines) of a byte range that holds whole lines."""
+    rest = b""
+    with path.open("rb") as f:
+        f.seek(begin)
+        left = end - begin
+        while left:
+            chunk = f.read(min(block, left))
+            left -= len(chunk)
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            yield from lines
 
 
 def append_outcomes(path: Path, outcomes: Iterable[RowOutcome]) -> None:
     """Appends finished rows to a checkpoint file and makes them durable before returning."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = b"".join(msgspec.json.encode(o.to_record()) + b"\n" for o in outcomes)
-    with path.open("ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    data = memoryview(_torn_tail_break(path) + b"".join(msgspec.json.encode(o.to_record()) + b"\n" for o in outcomes))
+    with path.open("ab", buffering=0) as f:
+        start = os.fstat(f.fileno()).st_size
+        try:
+            while data:
+                data = data[f.write(data) :]
+            os.fsync(f.fileno())
+        except OSError as exc:
+            # Half a chunk must not stay: rows appended later would follow a torn line.
+            f.truncate(start)
+            raise write_error(exc, path) from None
+
+
+def _torn_tail_break(path: Path) -> bytes:
+    """A newline when the file ends inside a line (its writer was killed), so that the rows
+    appended next start on a line of their own; else nothing."""
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            return b"" if f.read(1) == b"\n" else b"\n"
+    return b""
 
 
 def shard_ranges(total: int, requested: int | None) -> list[ShardRange]:
@@ -227,17 +492,34 @@ def detect_format(path: Path) -> FileFormat:
     return kind
 
 
-def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[InputRow | Problem]]:
-    """Opens an input for checking: its format, its endpoint, and its rows or problems."""
+def read_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[Any]]:
+    """Opens an input for checking: its format, its endpoint, and its problems and chunks of
+    accepted rows (in the format module's own form), in input order."""
     kind = detect_format(path)
-    module = parquet if kind == "parquet" else jsonl
+    module = FORMATS[kind]
     try:
         endpoint = module.job_endpoint(path, options)
     except parquet.ParquetInputError as exc:
         raise JobRejected(exc.problems) from None
     _, model_name = resolve_model(options.model, endpoint)
     names = frozenset({model_name, *(n for n in [options.model] if n)})
-    return kind, endpoint, module.read_requests(path, endpoint, names, options)
+    return kind, endpoint, module.read_chunks(path, endpoint, names, options)
+
+
+def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[InputRow | Problem]]:
+    """Like :func:`read_input`, with the accepted rows one by one."""
+    kind, endpoint, chunks = read_input(path, options)
+
+    def rows() -> Iterator[InputRow | Problem]:
+        for item in chunks:
+            if isinstance(item, Problem):
+                yield item
+            elif kind == "jsonl":
+                yield from jsonl.chunk_rows(item)
+            else:
+                yield from parquet.chunk_rows(item, endpoint, options)
+
+    return kind, endpoint, rows()
 
 
 def prepare_job(
@@ -255,7 +537,7 @@ def prepare_job(
     so reruns and resumes keep their checkpoints.
     """
     input_path = Path(input_path)
-    kind, endpoint, rows = check_input(input_path, options)
+    kind, endpoint, chunks = read_input(input_path, options)
     sha = file_sha256(input_path)
     raw_options = options.model_dump(exclude_defaults=True)
     # The output is not part of the id: a job whose result could not be written resumes, with
@@ -270,29 +552,32 @@ def prepare_job(
             atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
         return job
     job.root.mkdir(parents=True, exist_ok=True)
-    staging = job.root / "rows.staging.jsonl"
+    module = FORMATS[kind]
+    staging = job.root / "rows.staging"
     problems: list[Problem] = []
     problem_count = 0
     total = 0
-    with staging.open("w", encoding="utf-8") as out:
-        for item in rows:
+    out = module.Staging(staging)
+    try:
+        for item in chunks:
             if isinstance(item, Problem):
                 problem_count += 1
                 if len(problems) < MAX_REPORTED_PROBLEMS:
                     problems.append(item)
                 continue
-            total += 1
+            total += len(item)
             if problem_count == 0:
-                out.write(msgspec.json.encode({"i": item.index, "key": item.key, "body": item.body}).decode("utf-8"))
-                out.write("\n")
+                out.add(item)
+    finally:
+        out.close()
     if problem_count:
-        staging.unlink()
+        staging.unlink(missing_ok=True)
         raise JobRejected(problems, total=problem_count)
     if total == 0:
-        staging.unlink()
+        staging.unlink(missing_ok=True)
         raise JobRejected([Problem(f"input file {input_path} has no rows")])
     ranges = shard_ranges(total, options.shards)
-    _split(staging, job, ranges)
+    _split(staging, job, ranges, kind)
     staging.unlink()
     model_path, model_name = resolve_model(options.model, endpoint)
     manifest = JobManifest(
@@ -314,13 +599,10 @@ def prepare_job(
     return job
 
 
-def _split(staging: Path, job: JobDir, ranges: list[ShardRange]) -> None:
-    with staging.open(encoding="utf-8") as src:
-        for n, rng in enumerate(ranges):
-            path = job.requests_path(n)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if job.checkpoint_path(n).exists():
-                job.checkpoint_path(n).unlink()  # the input changed: old results no longer apply
-            with path.open("w", encoding="utf-8") as dst:
-                for _ in range(rng.size):
-                    dst.write(src.readline())
+def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileFormat) -> None:
+    targets = []
+    for n, rng in enumerate(ranges):
+        job.shard_dir(n).mkdir(parents=True, exist_ok=True)
+        job.checkpoint_path(n).unlink(missing_ok=True)  # the input changed: old results no longer apply
+        targets.append((job.requests_path(n, kind), rng.size))
+    FORMATS[kind].split_staging(staging, targets)

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 from anex_pipeline.estimate import read_estimate
-from anex_pipeline.formats import jsonl, parquet
-from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
-from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, RowOutcome, Throughput, Usage
+from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl, parquet
+from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text, write_error
+from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+
+_timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
 
 
 def record_timing(job: JobDir, stage: str, seconds: float) -> None:
     """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
     path = job.root / "timings.json"
-    timings = json.loads(path.read_text()) if path.exists() else {}
-    timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
-    atomic_write_text(path, json.dumps(timings, indent=2))
+    with _timings_lock:
+        timings = json.loads(path.read_text()) if path.exists() else {}
+        timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
+        atomic_write_text(path, json.dumps(timings, indent=2))
 
 
 def read_timings(job: JobDir) -> dict[str, float]:
@@ -28,37 +32,44 @@ def read_timings(job: JobDir) -> dict[str, float]:
 
 
 class _Tally:
-    """Counts rows and tokens as the merge streams past them (plain counters: this is a hot loop)."""
-
-    USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
+    """Counts rows and tokens as the merge streams past them (plain attributes: this is a hot loop)."""
 
     def __init__(self) -> None:
-        self.rows: Counter[str] = Counter()
-        self.tokens: Counter[str] = Counter()
+        self.completed = self.failed = self.format_error_rows = self.reused = 0
+        self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = self.cached_prompt_tokens = 0
         self.errors: Counter[str] = Counter()
         self.lengths: Counter[int] = Counter()  # completion tokens -> rows: bounded by the cap
 
-    def add(self, o: RowOutcome) -> RowOutcome:
-        if o.error is None:
-            self.rows["completed"] += 1
-            self.lengths[o.usage.get("completion_tokens", 0)] += 1
-            self.rows["format_error_rows"] += o.format_error
+    def add(self, o: StoredOutcome) -> StoredOutcome:
+        usage = o.usage
+        if o.error is not None:
+            self.failed += 1
+            self.errors[o.error["type"]] += 1
         else:
-            self.rows["failed"] += 1
-            self.errors[o.error.type] += 1
-        if o.completion_flag:
-            self.errors[o.completion_flag] += 1
-        for key in self.USAGE_KEYS:
-            self.tokens[key] += o.usage.get(key, 0)
+            self.completed += 1
+            self.lengths[usage.completion_tokens] += 1
+            self.format_error_rows += o.format_error
+        if o.flag:
+            self.errors[o.flag] += 1
+        self.reused += o.reused
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.reasoning_tokens += usage.reasoning_tokens
+        self.cached_prompt_tokens += usage.cached_prompt_tokens
         return o
 
     @property
     def counts(self) -> RequestCounts:
-        return RequestCounts(**self.rows)
+        return RequestCounts(completed=self.completed, failed=self.failed, format_error_rows=self.format_error_rows)
 
     @property
     def usage(self) -> Usage:
-        return Usage(**self.tokens)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            reasoning_tokens=self.reasoning_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )
 
     def length_percentiles(self) -> dict[str, int]:
         total = sum(self.lengths.values())
@@ -76,12 +87,12 @@ class _Tally:
         return found
 
 
-def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[RowOutcome]:
+def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[StoredOutcome]:
+    """Every finished row's latest outcome in input order, streamed shard by shard."""
+    add = tally.add
     for shard, rng in enumerate(manifest.shards):
-        outcomes = job.read_checkpoint(shard)
-        for i in range(rng.start, rng.stop):
-            if i in outcomes:
-                yield tally.add(outcomes[i])
+        for outcome in job.latest_records(shard, rng, decode_stored_outcome):
+            yield add(outcome)
 
 
 def result_path(job: JobDir) -> Path:
@@ -97,11 +108,15 @@ def merge_job(job: JobDir) -> JobReport:
     partial = final.with_name(f".{final.name}.partial")
     tally = _Tally()
     rows = _ordered(job, manifest, tally)
-    if manifest.format == "jsonl":
-        jsonl.write_results(partial, rows)
-    else:
-        parquet.write_results(Path(manifest.input), partial, rows, manifest.endpoint)
-    partial.replace(final)
+    try:
+        if manifest.format == "jsonl":
+            jsonl.write_results(partial, rows)
+        else:
+            parquet.write_results(Path(manifest.input), partial, rows, manifest.endpoint)
+        partial.replace(final)
+    except OSError as exc:  # e.g. a full disk: leave no half-written result behind
+        partial.unlink(missing_ok=True)
+        raise write_error(exc, final) from exc
     record_timing(job, "merge", time.monotonic() - started)
     report = build_report(job, manifest, tally)
     atomic_write_text(job.root / "report.json", report.model_dump_json(indent=2))
@@ -141,6 +156,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         timings=timings,
         throughput=throughput,
         output_tokens=tally.length_percentiles(),
+        reused_answer_rows=tally.reused,
         cost=_cost(manifest, usage),
     )
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlparse
 
 
 def is_s3(uri: str) -> bool:
@@ -19,8 +19,27 @@ def is_s3(uri: str) -> bool:
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
-    return parsed.netloc, parsed.path.lstrip("/")
+    """Bucket and key, the key taken literally (a URL parser would cut it at '?' or '#')."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def unsafe_key(key: str) -> str | None:
+    """Why an S3 key must not be written (a client or server that resolves ``..`` could put the
+    object outside its prefix), or None when it is safe."""
+    if "\0" in key:
+        return "holds a NUL character"
+    if len(key.encode("utf-8", "surrogatepass")) > 1024:
+        return "is longer than S3's limit of 1,024 bytes"
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        return "has an empty, '.' or '..' path segment"
+    return None
+
+
+def local_name(key: str) -> str:
+    """A safe file name for a downloaded object: the last part of its key, in plain characters."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", PurePosixPath(key).name)[-100:].lstrip(".")
+    return name or "input"
 
 
 class OutputNotWritable(Exception):
@@ -33,6 +52,9 @@ def publish(src: Path, dest: str, s3_client: Any = None) -> str:
         if s3_client is None:
             raise OutputNotWritable(f"cannot write {dest}: no S3 client is configured")
         bucket, key = split_s3(dest)
+        problem = unsafe_key(key)
+        if problem:
+            raise OutputNotWritable(f"cannot write {dest[:300]!r}: the key {problem}; choose another output key")
         s3_client.upload_file(str(src), bucket, key)
         return dest
     target = Path(dest).expanduser()
@@ -62,7 +84,7 @@ def localize_input(uri: str, dest_dir: Path, s3_client: Any = None) -> Path:
         raise ValueError(f"cannot read {uri}: no S3 client is configured")
     bucket, key = split_s3(uri)
     dest_dir.mkdir(parents=True, exist_ok=True)
-    target = dest_dir / Path(key).name
+    target = dest_dir / local_name(key)
     tmp = target.with_name(f".{target.name}.partial")
     s3_client.download_file(bucket, key, str(tmp))
     os.replace(tmp, target)

@@ -1,19 +1,26 @@
 """Reading request files and writing result files, one module per file format.
 
-Both readers yield the same two things, in input order: :class:`InputRow` for a row that passed
-its checks, :class:`~anex_pipeline.spec.Problem` for one that did not. Both writers take row
-outcomes in input order and write to a path the caller later renames into place.
+Each format module reads its input in chunks, in input order: a
+:class:`~anex_pipeline.spec.Problem` for a row that failed its checks, or a run of consecutive
+accepted rows in the form the job's shards store them (a list of JSON lines for JSONL, an Arrow
+record batch for Parquet); it stages, splits and reads back its own shard files. Each writer
+takes the stored outcomes (:class:`StoredOutcome`) in input order and writes to a path the
+caller later renames into place.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 FileFormat = Literal["jsonl", "parquet"]
 
 PARQUET_MAGIC = b"PAR1"
+JSON_NULL = msgspec.Raw(b"null")
 
 
 @dataclass
@@ -25,6 +32,42 @@ class InputRow:
     body: dict[str, Any]
 
 
+class StoredUsage(msgspec.Struct, frozen=True):
+    """The token counts of a row the report adds up."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class StoredOutcome(msgspec.Struct):
+    """One checkpoint line of a finished row (``RowOutcome.to_record``), read without building
+    the body: ``body`` stays the JSON text it was stored as."""
+
+    i: int
+    key: str
+    status_code: int | None = None
+    body: msgspec.Raw = JSON_NULL
+    error: dict[str, Any] | None = None
+    flag: str | None = None
+    format_error: bool = False
+    usage: StoredUsage = StoredUsage()
+    reused: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def error_type(self) -> str | None:
+        """The error's type for a failed row, else the completion's flag ("length", ...)."""
+        return self.error["type"] if self.error is not None else self.flag
+
+
+decode_stored_outcome = msgspec.json.Decoder(StoredOutcome).decode
+
+
 def sniff_format(path: Path) -> FileFormat | None:
     """Tells a Parquet file from anything else by its magic bytes; None for an empty file."""
     with path.open("rb") as f:
@@ -34,10 +77,37 @@ def sniff_format(path: Path) -> FileFormat | None:
     return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
 
-def result_text(endpoint: str, body: dict[str, Any]) -> str:
-    """The answer text of a completion body, or the whole body as JSON when it has no text."""
-    import json
+class _Message(msgspec.Struct):
+    content: Any = None
 
+
+class _Choice(msgspec.Struct):
+    text: Any = None
+    message: _Message | None = None
+
+
+class _Answer(msgspec.Struct):
+    choices: list[_Choice] | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def result_text(endpoint: str, body: bytes) -> str:
+    """The answer text of a completion body (JSON), or the whole body when it has no text."""
+    try:
+        choices = _decode_answer(body).choices
+    except msgspec.ValidationError:  # an unusual body: the slow path below says what to deliver
+        choices = None
+    if choices:
+        first = choices[0]
+        text = first.text if endpoint == "completions" else first.message and first.message.content
+        if isinstance(text, str) and text:
+            return text
+    return _text_of(endpoint, msgspec.json.decode(body))
+
+
+def _text_of(endpoint: str, body: dict[str, Any]) -> str:
     choice = (body.get("choices") or [{}])[0]
     text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")
     return text if isinstance(text, str) and text else json.dumps(body, ensure_ascii=False)

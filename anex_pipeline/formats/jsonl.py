@@ -1,17 +1,21 @@
-"""JSONL in the OpenAI batch format: request lines in, batch output envelopes out."""
+"""JSONL in the OpenAI batch format: request lines in, batch output envelopes out; shards are
+JSON lines ``{"i", "key", "body"}``."""
 
 from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from anex_pipeline.formats import InputRow
-from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.formats import InputRow, StoredOutcome
+from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem
 from anex_pipeline.validate import _kind, check_body
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -20,6 +24,11 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 _UTF8_BOM = b"\xef\xbb\xbf"
 _GZIP_MAGIC = b"\x1f\x8b"
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_NO_BODY = msgspec.Raw(b"")
+CHUNK_ROWS = 4096
+SHARD_FILE = "requests.jsonl"
+_STATUS = {200: b"200", None: b"null"}
+COPY_BLOCK = 1 << 20
 
 
 class _Lines:
@@ -112,12 +121,32 @@ def job_endpoint(path: Path, options: JobOptions) -> Endpoint:
     return options.endpoint or _first_endpoint(path) or "chat"
 
 
-def read_requests(
+class _Request(msgspec.Struct):
+    """The fields of a request line the fast path looks at; the body stays JSON text."""
+
+    custom_id: str
+    method: str = "POST"
+    url: str | None = None
+    body: msgspec.Raw = _NO_BODY
+
+
+_decode_request = msgspec.json.Decoder(_Request).decode
+
+
+def read_chunks(
     path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
-) -> Iterator[InputRow | Problem]:
-    """Checks every line and yields a normalised row or the line's problems, in file order."""
-    seen: dict[str, int] = {}
+) -> Iterator[list[bytes] | Problem]:
+    """Checks every line, in file order; yields the problems of bad lines and, for runs of good
+    ones, their shard lines (``{"i", "key", "body"}``, the body passed through as written).
+
+    A line that looks right is checked on a fast path (one typed decode); any other line takes
+    the full path that names its problems. Ids used twice are named after the last line.
+    """
+    ids = _Ids()
     index = 0
+    chunk: list[bytes] = []
+    own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
+    prompt = options.system_prompt if endpoint == "chat" else None
     with path.open("rb") as f:
         head = f.read(4)
         if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
@@ -130,28 +159,124 @@ def read_requests(
         for number, raw in _Lines(f):
             if number == 1 and raw is not None:
                 raw = raw.removeprefix(_UTF8_BOM)
+            line = _fast_line(raw, own_urls, endpoint, model_names, prompt)
+            if line is not None:
+                ids.add(line[0], number)
+                chunk.append(_shard_line(index, *line))
+                index += 1
+                if len(chunk) == CHUNK_ROWS:
+                    yield chunk
+                    chunk = []
+                continue
             if raw is None:
-                yield Problem(f"is longer than {_size(MAX_LINE_BYTES)}; split or shorten it", line=number)
+                problems = [Problem(f"is longer than {_size(MAX_LINE_BYTES)}; split or shorten it", line=number)]
+            elif not raw.strip():
                 continue
-            if not raw.strip():
-                continue
-            value, reason = _decode(raw)
-            if reason is not None:
-                yield Problem(reason, line=number)
-                continue
-            problems = _check_line(value, endpoint, model_names, seen, number)
+            else:
+                value, reason = _decode(raw)
+                if reason is not None:
+                    problems = [Problem(reason, line=number)]
+                else:
+                    problems = _check_line(value, endpoint, model_names, number)
             if problems:
+                if chunk:
+                    yield chunk
+                    chunk = []
                 yield from problems
                 continue
-            seen[value["custom_id"]] = number
-            body = _apply_job_prompt(value["body"], endpoint, options)
-            yield InputRow(index=index, key=value["custom_id"], body=body)
+            ids.add(value["custom_id"], number)
+            body = msgspec.json.encode(_apply_job_prompt(value["body"], endpoint, options))
+            chunk.append(_shard_line(index, value["custom_id"], body))
             index += 1
+    if chunk:
+        yield chunk
+    yield from ids.repeated(path)
 
 
-def _check_line(
-    value: Any, endpoint: Endpoint, model_names: frozenset[str], seen: dict[str, int], number: int
-) -> list[Problem]:
+def _shard_line(index: int, key: str, body: bytes) -> bytes:
+    return b'{"i":%d,"key":%b,"body":%b}\n' % (index, msgspec.json.encode(key), body)
+
+
+class _Ids:
+    """The custom_ids of the accepted lines, as 64-bit hashes beside their line numbers (16 bytes
+    a row, whatever the ids' length); the ids used twice are found once the file is read."""
+
+    def __init__(self) -> None:
+        self.hashes = array("q")
+        self.lines = array("q")
+
+    def add(self, cid: str, number: int) -> None:
+        self.hashes.append(hash(cid))
+        self.lines.append(number)
+
+    def repeated(self, path: Path) -> list[Problem]:
+        """A problem for each line whose id an earlier line has (read again from the file: equal
+        hashes may come from different ids)."""
+        if len(self.hashes) < 2:
+            return []
+        # Sorted, equal hashes sit side by side (sorting takes far less memory than hashing them).
+        ordered = pa.Array.from_buffers(pa.int64(), len(self.hashes), [None, pa.py_buffer(self.hashes)]).sort()
+        same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
+        if not pc.any(same).as_py():
+            return []
+        twice = set(ordered.slice(1).filter(same).to_pylist())
+        wanted = {self.lines[n] for n, h in enumerate(self.hashes) if h in twice}
+        first: dict[str, int] = {}
+        problems = []
+        with path.open("rb") as f:
+            for number, raw in _Lines(f):
+                if number not in wanted or raw is None:
+                    continue
+                cid = _decode(raw.removeprefix(_UTF8_BOM) if number == 1 else raw)[0]["custom_id"]
+                if cid in first:
+                    message = f"'{cid}' is already used on line {first[cid]}; ids must be unique"
+                    problems.append(Problem(message, number, "custom_id"))
+                else:
+                    first[cid] = number
+        return problems
+
+
+def _fast_line(
+    raw: bytes | None,
+    own_urls: set[str],
+    endpoint: Endpoint,
+    model_names: frozenset[str],
+    system_prompt: str | None,
+) -> tuple[str, bytes] | None:
+    """(custom_id, body as JSON) for a line that passes every check and needs no change to its
+    body; None when the line must go the full way (it may still be good)."""
+    if raw is None or system_prompt:
+        return None
+    try:
+        request = _decode_request(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    cid = request.custom_id
+    if not cid or request.method != "POST" or request.body == _NO_BODY:
+        return None
+    if request.url is not None and request.url not in own_urls:
+        return None
+    try:
+        body = msgspec.json.decode(request.body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if type(body) is not dict or check_body(body, endpoint, model_names):
+        return None
+    return cid, bytes(request.body)
+
+
+def chunk_rows(chunk: list[bytes]) -> Iterator[InputRow]:
+    """The rows of a chunk of shard lines."""
+    for line in chunk:
+        yield shard_row(line)
+
+
+def shard_row(line: bytes | str) -> InputRow:
+    rec = msgspec.json.decode(line)
+    return InputRow(index=rec["i"], key=rec["key"], body=rec["body"])
+
+
+def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], number: int) -> list[Problem]:
     if not isinstance(value, dict):
         return [Problem("must be a JSON object with custom_id and body", line=number)]
     problems = []
@@ -160,10 +285,6 @@ def _check_line(
         problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id"))
     elif not isinstance(cid, str) or not cid:
         problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id"))
-    elif cid in seen:
-        problems.append(
-            Problem(f"'{cid}' is already used on line {seen[cid]}; ids must be unique", number, "custom_id")
-        )
     method = value.get("method", "POST")
     if method != "POST":
         problems.append(Problem(f"must be POST, got {json.dumps(method)}", number, "method"))
@@ -195,26 +316,69 @@ def _apply_job_prompt(body: dict[str, Any], endpoint: Endpoint, options: JobOpti
     return {**body, "messages": [{"role": "system", "content": options.system_prompt}, *body["messages"]]}
 
 
-def envelope(outcome: RowOutcome) -> dict[str, Any]:
-    """The OpenAI batch output line for one row."""
-    return {
-        "id": f"batch_req_{outcome.key}",
-        "custom_id": outcome.key,
-        "response": {
-            "status_code": outcome.status_code,
-            "request_id": f"req_{outcome.key}",
-            "body": outcome.body if outcome.error is None else None,
-        },
-        "error": outcome.error.as_dict() if outcome.error is not None else None,
-    }
+class Staging:
+    """Every accepted row's shard line in one file, until the job knows how to cut it into shards."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("wb")
+
+    def add(self, chunk: list[bytes]) -> None:
+        self.file.write(b"".join(chunk))
+
+    def close(self) -> None:
+        self.file.close()
 
 
-def write_results(path: Path, outcomes: Iterable[RowOutcome]) -> int:
-    """Writes one envelope line per outcome; returns the number of lines."""
+def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
+    """Cuts the staged lines into shard files holding the given numbers of lines, in order."""
+    with staging.open("rb") as src:
+        rest = b""
+        for path, count in shards:
+            with path.open("wb") as dst:
+                while count:
+                    block, rest = rest or src.read(COPY_BLOCK), b""
+                    if not block:
+                        raise ValueError(f"{staging} holds fewer rows than the shards need")
+                    found = block.count(b"\n")
+                    if found < count:
+                        dst.write(block)
+                        count -= found
+                        continue
+                    cut = -1
+                    for _ in range(count):
+                        cut = block.index(b"\n", cut + 1)
+                    dst.write(block[: cut + 1])
+                    rest, count = block[cut + 1 :], 0
+
+
+def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+    """A shard's rows, as prepared (the job's endpoint and options are already applied)."""
+    with path.open("rb") as f:
+        for line in f:
+            yield shard_row(line)
+
+
+def write_results(path: Path, outcomes: Iterable[StoredOutcome]) -> int:
+    """Writes one OpenAI batch output line per outcome (the stored body passes through as it is);
+    returns the number of lines."""
+    encode = msgspec.json.encode
     count = 0
-    with path.open("w", encoding="utf-8") as f:
-        for outcome in outcomes:
-            f.write(msgspec.json.encode(envelope(outcome)).decode("utf-8"))
-            f.write("\n")
-            count += 1
-    return count
+    lines: list[bytes] = []
+    with path.open("wb") as f:
+        for o in outcomes:
+            key = encode(o.key)[1:]  # the key as JSON without its opening quote, to follow a prefix
+            lines.append(
+                b'{"id":"batch_req_%b,"custom_id":"%b,"response":{"status_code":%b,"request_id":"req_%b,'
+                b'"body":%b},"error":%b}\n'
+                % (key, key, _STATUS.get(o.status_code) or encode(o.status_code), key, *_body_and_error(o))
+            )
+            if len(lines) == CHUNK_ROWS:
+                f.write(b"".join(lines))
+                count += len(lines)
+                lines.clear()
+        f.write(b"".join(lines))
+    return count + len(lines)
+
+
+def _body_and_error(o: StoredOutcome) -> tuple[bytes, bytes]:
+    return (o.body, b"null") if o.error is None else (b"null", msgspec.json.encode(o.error))

@@ -1,4 +1,5 @@
-"""Parquet jobs: a prompt column in, the input's columns plus output columns out."""
+"""Parquet jobs: a prompt column in, the input's columns plus output columns out; shards are Arrow
+IPC files of the prompt values."""
 
 from __future__ import annotations
 
@@ -6,14 +7,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from anex_pipeline.formats import InputRow, result_text
-from anex_pipeline.spec import Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.formats import JSON_NULL, InputRow, StoredOutcome, result_text
+from anex_pipeline.spec import Endpoint, JobOptions, Problem
 from anex_pipeline.validate import check_body
 
 BATCH_ROWS = 16_384
+SHARD_FILE = "requests.arrow"
+SHARD_COLUMNS = ("i", "key", "value")
+# A prompt made only of what str.strip() removes (every such character is at most U+3000).
+_BLANK = "^[{}]*$".format("".join(f"\\x{{{c:x}}}" for c in range(0x3001) if chr(c).isspace()))
 PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("messages", "prompt"),
     "completions": ("prompt",),
@@ -73,10 +80,15 @@ def prompt_column(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
     )
 
 
-def read_requests(
+def read_chunks(
     path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
-) -> Iterator[InputRow | Problem]:
-    """Checks every row and yields a normalised request or the row's problems, in file order."""
+) -> Iterator[pa.RecordBatch | Problem]:
+    """Checks every row, in file order; yields the problems of bad rows and, for runs of good
+    ones, record batches of what the shards store (``i``, ``key`` and the prompt as ``value``).
+
+    A batch of plain-text prompts is checked column-wise (nulls, blank text, ids); a batch that
+    shows a possible problem, or holds structured prompts, is checked row by row.
+    """
     try:
         pf = open_input(path)
         column = prompt_column(pf.schema_arrow, endpoint, options)
@@ -85,66 +97,157 @@ def read_requests(
         return
     has_id = "id" in pf.schema_arrow.names
     columns = [column] + (["id"] if has_id and column != "id" else [])
-    seen: dict[str, int] = {}
     index = 0
     try:
-        batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
-        for batch in batches:
-            prompts = batch.column(column).to_pylist()
-            ids = batch.column("id").to_pylist() if has_id else [None] * len(prompts)
-            for prompt, row_id in zip(prompts, ids, strict=True):
-                number = index + 1
-                problems = []
-                if has_id:
-                    key = None if row_id is None else str(row_id)
-                    if key is None:
-                        problems.append(Problem("is null; every row needs an id", number, "id"))
-                    elif key in seen:
-                        problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id"))
-                    else:
-                        seen[key] = number
-                else:
-                    key = str(index)
-                body, found = _body(prompt, column, endpoint, options, model_names)
-                problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
-                if problems:
-                    yield from problems
-                else:
-                    yield InputRow(index=index, key=key or "", body=body)
-                index += 1
+        seen: dict[str, int] | None = None if not has_id or _ids_unique(pf) else {}
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            values = batch.column(column)
+            indices = pa.array(range(index, index + batch.num_rows), pa.int64())
+            if seen is None and _plain_and_sound(values, endpoint):
+                keys = (batch.column("id") if has_id else indices).cast(pa.string())
+                yield pa.RecordBatch.from_arrays([indices, keys, values], names=SHARD_COLUMNS)
+            else:
+                yield from _checked_rows(batch, column, has_id, index, seen, endpoint, options, model_names)
+            index += batch.num_rows
     except (pa.ArrowException, OSError) as exc:
         yield Problem(f"the Parquet data could not be read at row {index + 1}: {exc}")
 
 
-def _body(
-    value: Any, column: str, endpoint: Endpoint, options: JobOptions, model_names: frozenset[str]
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    body: dict[str, Any]
+def _ids_unique(pf: pq.ParquetFile) -> bool:
+    """True when the id column is text or integers with no null and no value twice."""
+    ids = pf.read(columns=["id"]).column("id")
+    if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
+        return False
+    return ids.null_count == 0 and pc.count_distinct(ids).as_py() == len(ids)
+
+
+def _plain_and_sound(values: pa.Array, endpoint: Endpoint) -> bool:
+    """True when every prompt is non-null text that passes its checks as it is."""
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)) or values.null_count:
+        return False
     if endpoint == "embeddings":
-        body = {"input": value}
-    elif endpoint == "completions":
-        body = {"prompt": value}
-    else:
-        if isinstance(value, str):
-            messages: Any = [{"role": "user", "content": value}]
-        elif isinstance(value, list):
-            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+        return not pc.any(pc.equal(pc.utf8_length(values), 0)).as_py()
+    return not pc.any(pc.match_substring_regex(values, _BLANK)).as_py()
+
+
+def _checked_rows(
+    batch: pa.RecordBatch,
+    column: str,
+    has_id: bool,
+    offset: int,
+    seen: dict[str, int] | None,
+    endpoint: Endpoint,
+    options: JobOptions,
+    model_names: frozenset[str],
+) -> Iterator[pa.RecordBatch | Problem]:
+    """The row-by-row check of one batch: its problems, then a batch of its good rows."""
+    prompts = batch.column(column).to_pylist()
+    ids = batch.column("id").to_pylist() if has_id else [None] * len(prompts)
+    keep: list[int] = []
+    keys: list[str] = []
+    for n, (prompt, row_id) in enumerate(zip(prompts, ids, strict=True)):
+        number = offset + n + 1
+        problems = []
+        key = str(offset + n)
+        if has_id:
+            key = "" if row_id is None else str(row_id)
+            if row_id is None:
+                problems.append(Problem("is null; every row needs an id", number, "id"))
+            elif seen is not None and key in seen:
+                problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id"))
+            elif seen is not None:
+                seen[key] = number
+        found = _problems(prompt, request_body(prompt, endpoint, options), column, endpoint, model_names)
+        problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
+        if problems:
+            yield from problems
         else:
-            messages = value
-        if options.system_prompt and isinstance(messages, list):
-            messages = [{"role": "system", "content": options.system_prompt}, *messages]
-        body = {"messages": messages}
+            keep.append(n)
+            keys.append(key)
+    if keep:
+        taken = batch.take(pa.array(keep, pa.int64()))
+        indices = pa.array([offset + n for n in keep], pa.int64())
+        yield pa.RecordBatch.from_arrays(
+            [indices, pa.array(keys, pa.string()), taken.column(column)], names=SHARD_COLUMNS
+        )
+
+
+def request_body(value: Any, endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
+    """The OpenAI request body of one row's prompt value, with the job's system prompt."""
+    if endpoint == "embeddings":
+        return {"input": value}
+    if endpoint == "completions":
+        return {"prompt": value}
+    if isinstance(value, str):
+        messages: Any = [{"role": "user", "content": value}]
+    elif isinstance(value, list):
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    else:
+        messages = value
+    if options.system_prompt and isinstance(messages, list):
+        messages = [{"role": "system", "content": options.system_prompt}, *messages]
+    return {"messages": messages}
+
+
+def _problems(
+    value: Any, body: dict[str, Any], column: str, endpoint: Endpoint, model_names: frozenset[str]
+) -> list[tuple[str, str]]:
     if value is None:
-        return body, [(column, "is null; the row has nothing to send")]
+        return [(column, "is null; the row has nothing to send")]
     if isinstance(value, str) and not value.strip() and endpoint != "embeddings":
-        return body, [(column, "is empty; there is no prompt to send")]
-    return body, check_body(body, endpoint, model_names)
+        return [(column, "is empty; there is no prompt to send")]
+    return check_body(body, endpoint, model_names)
+
+
+def chunk_rows(chunk: pa.RecordBatch, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+    """The rows of a batch of shard rows, with their request bodies."""
+    columns = zip(*(chunk.column(name).to_pylist() for name in SHARD_COLUMNS), strict=True)
+    for index, key, value in columns:
+        yield InputRow(index=index, key=key, body=request_body(value, endpoint, options))
+
+
+class Staging:
+    """Every accepted row in one Arrow stream, until the job knows how to cut it into shards."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.writer: pa.ipc.RecordBatchStreamWriter | None = None
+
+    def add(self, chunk: pa.RecordBatch) -> None:
+        if self.writer is None:
+            self.writer = pa.ipc.new_stream(self.path, chunk.schema)
+        self.writer.write_batch(chunk)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
+    """Cuts the staged rows into shard files (Arrow IPC) holding the given numbers of rows, in order."""
+    with pa.OSFile(str(staging)) as source, pa.ipc.open_stream(source) as reader:  # read, not memory-mapped
+        batches = iter(reader)
+        rest: pa.RecordBatch | None = None
+        for path, count in shards:
+            with pa.ipc.new_file(path, reader.schema) as out:
+                while count:
+                    batch = rest if rest is not None else next(batches)
+                    out.write_batch(batch.slice(0, count))
+                    rest = batch.slice(count) if batch.num_rows > count else None
+                    count -= min(count, batch.num_rows)
+
+
+def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+    """A shard's rows, with the request bodies built from their prompts under the job's options."""
+    with pa.OSFile(str(path)) as source, pa.ipc.open_file(source) as reader:
+        for n in range(reader.num_record_batches):
+            yield from chunk_rows(reader.get_batch(n), endpoint, options)
 
 
 def write_results(
     input_path: Path,
     out_path: Path,
-    outcomes: Iterator[RowOutcome],
+    outcomes: Iterator[StoredOutcome],
     endpoint: Endpoint,
 ) -> int:
     """Copies the input's columns and adds the result columns, keeping only rows with an outcome.
@@ -166,29 +269,33 @@ def write_results(
     offset = 0
     with pq.ParquetWriter(out_path, schema) as writer:
         for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            keep, values, kinds = [], [], []
-            for i in range(offset, offset + batch.num_rows):
-                while pending is not None and pending.index < i:
-                    pending = next(outcomes, None)
-                if pending is None or pending.index != i:
-                    continue
-                keep.append(i - offset)
-                values.append(_value(pending, endpoint))
-                kinds.append(pending.error_type)
-            taken = batch.take(pa.array(keep, pa.int64())) if len(keep) != batch.num_rows else batch
+            stop = offset + batch.num_rows
+            group: list[StoredOutcome] = []
+            while pending is not None and pending.i < stop:
+                if pending.i >= offset:
+                    group.append(pending)
+                pending = next(outcomes, None)
+            if len(group) == batch.num_rows:
+                taken, indices = batch, pa.array(range(offset, stop), pa.int64())
+            else:
+                indices = pa.array([o.i for o in group], pa.int64())
+                taken = batch.take(pc.subtract(indices, offset))
             cols = [taken.column(f.name) for f in fields]
             if add_index:
-                cols.append(pa.array([offset + k for k in keep], pa.int64()))
-            cols += [pa.array(values, value_type), pa.array(kinds, pa.string())]
+                cols.append(indices)
+            cols += [
+                pa.array([_value(o, endpoint) for o in group], value_type),
+                pa.array([o.error_type for o in group], pa.string()),
+            ]
             writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
-            written += len(keep)
-            offset += batch.num_rows
+            written += len(group)
+            offset = stop
     return written
 
 
-def _value(outcome: RowOutcome, endpoint: Endpoint) -> Any:
-    if outcome.body is None or outcome.error is not None:
+def _value(outcome: StoredOutcome, endpoint: Endpoint) -> Any:
+    if outcome.error is not None or outcome.body == JSON_NULL:
         return None
     if endpoint == "embeddings":
-        return outcome.body["data"][0]["embedding"]
+        return msgspec.json.decode(outcome.body)["data"][0]["embedding"]
     return result_text(endpoint, outcome.body)

@@ -1,0 +1,127 @@
+"""A disk that fills up during a job, on real small filesystems (tmpfs mounts; the tests run as
+root): the command fails with a message naming the path and the lack of space, without a
+traceback; the rows finished before stay in the checkpoints, whole; nothing half-written appears
+at the output location; and once there is room, running the same command again finishes the job
+without generating any finished row again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+
+ROWS = 300
+
+Mount = Callable[[Path, str], Path]
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Mount]:
+    """Mounts a tmpfs of the given size (e.g. "64k") on a folder; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(path: Path, size: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "ANEX_WORK_DIR": str(work),
+        "DAGSTER_HOME": str(tmp / "dagster"),
+        "ANEX_FAKE_ROW_DELAY_S": str(delay),
+    }
+    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+def checkpoint_lines(work: Path) -> list[str]:
+    return [line for p in sorted(work.glob("*/shards/*/results.jsonl")) for line in p.read_text().splitlines(True)]
+
+
+def job_input(tmp: Path) -> Path:
+    return write_jsonl(
+        tmp / "in.jsonl", [chat_row(f"r{i}", f"question number {i}", max_tokens=20) for i in range(ROWS)]
+    )
+
+
+def assert_clean_failure(code: int, err: str, path: Path) -> None:
+    """Exit code 1, no Python traceback, and a last line that says what is full and where."""
+    last = err.strip().splitlines()[-1]
+    assert code == 1, err
+    assert "Traceback (most recent call last)" not in err, err
+    assert last.startswith("error: ") and "no space left" in last.lower() and str(path) in last, err
+
+
+def test_full_output_location_keeps_the_rows_and_leaves_no_partial_file(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    work = tmp_path / "work"
+    full = small_disk(tmp_path / "out", "64k")  # far smaller than the result
+    out = full / "result.jsonl"
+
+    code, err = finish(cli(tmp_path, work, "run", str(src), "-o", str(out), "--shards", "2"))
+    assert_clean_failure(code, err, out)
+    assert os.listdir(full) == []  # neither a part of the result nor a temp file
+    assert len(checkpoint_lines(work)) == ROWS
+
+    elsewhere = tmp_path / "roomy" / "result.jsonl"
+    code, err = finish(cli(tmp_path, work, "run", str(src), "-o", str(elsewhere), "--shards", "2"))
+    assert code == 0, err
+    assert [r["custom_id"] for r in read_jsonl(elsewhere)] == [f"r{i}" for i in range(ROWS)]
+    assert len(checkpoint_lines(work)) == ROWS  # the rerun generated nothing again
+
+
+def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    work = small_disk(tmp_path / "work", "1m")
+    out = tmp_path / "out" / "result.jsonl"
+
+    proc = cli(
+        tmp_path, work, "run", str(src), "-o", str(out), "--shards", "2", "--set", "checkpoint_rows=10", delay=0.01
+    )
+    deadline = time.monotonic() + 120
+    while len(checkpoint_lines(work)) < 30 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    filler = work / "filler"
+    with filler.open("wb", buffering=0) as f:  # take every byte that is left while the shard runs
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    code, err = finish(proc)
+    assert_clean_failure(code, err, work)
+    assert not out.exists()  # no result from a job that could not finish
+
+    kept = checkpoint_lines(work)
+    assert 30 <= len(kept) < ROWS
+    assert all(line.endswith("\n") and json.loads(line)["error"] is None for line in kept)  # whole rows only
+
+    filler.unlink()
+    code, err = finish(
+        cli(tmp_path, work, "run", str(src), "-o", str(out), "--shards", "2", "--set", "checkpoint_rows=10")
+    )
+    assert code == 0, err
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
+    after = checkpoint_lines(work)
+    assert len(after) == ROWS and set(kept) <= set(after)  # finished rows kept, none generated again
