@@ -15,9 +15,9 @@ from anex_pipeline import media
 from anex_pipeline.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.estimate import read_estimate, reusable_samples
-from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome
-from anex_pipeline.jobs import JobDir, append_outcomes
-from anex_pipeline.spec import RowOutcome
+from anex_pipeline.formats import InputRow, StoredOutcome
+from anex_pipeline.jobs import JobDir, JobManifest, append_outcomes
+from anex_pipeline.spec import EstimateReport, RowOutcome
 
 Progress = Callable[[int, int], None]
 
@@ -62,8 +62,7 @@ def run_shard(
     estimate = read_estimate(job)
     summary = ShardSummary(shard=shard, rows=rng.size)
 
-    # Row indices only: the checkpoint is streamed, never held whole.
-    finished = {o.i for o in job.latest_records(shard, rng, decode_stored_outcome) if not o.failed}
+    finished = job.finished_rows(shard)
     summary.kept_from_earlier_runs = len(finished)
     samples = {i: o for i, o in reusable_samples(job, estimate, rng.start, rng.stop).items() if i not in finished}
     if samples:
@@ -77,7 +76,7 @@ def run_shard(
     if progress:
         progress(done, rng.size)
     _stop_if_asked(job)
-    feed = _Feed(job, shard, todo, group_rows, summary)
+    feed = _Feed(job, shard, manifest, estimate, todo, group_rows, summary)
 
     def engine() -> Engine:
         asked = time.monotonic()
@@ -98,7 +97,7 @@ def run_shard(
     finally:
         feed.close()
 
-    _count(summary, job.latest_records(shard, rng, decode_stored_outcome))
+    _count(summary, job.outcomes(shard))
     summary.seconds = round(time.monotonic() - started, 3)
     return summary
 
@@ -107,11 +106,19 @@ class _Feed:
     """The shard's rows on their way to the engine: media attached, requests resolved, and rows
     identical to one already answered or in flight held back for a copy of its answer."""
 
-    def __init__(self, job: JobDir, shard: int, todo: Iterator[InputRow], group_rows: int, summary: ShardSummary):
+    def __init__(
+        self,
+        job: JobDir,
+        shard: int,
+        manifest: JobManifest,
+        estimate: EstimateReport,
+        todo: Iterator[InputRow],
+        group_rows: int,
+        summary: ShardSummary,
+    ):
         self.job, self.shard, self.todo, self.group_rows, self.summary = job, shard, todo, group_rows, summary
-        self.manifest = job.manifest()
-        self.options = self.manifest.job_options()
-        estimate = read_estimate(job)
+        self.manifest = manifest
+        self.options = manifest.job_options()
         self.max_tokens = self.options.max_tokens or estimate.max_tokens
         given = self.options.reasoning_budget
         self.budget = given if given is not None else estimate.reasoning_budget
@@ -123,11 +130,11 @@ class _Feed:
 
     def _requests(self) -> Iterator[EngineRequest]:
         media_failures = media.recorded_failures(self.job, self.shard)
+        m = self.manifest
         while rows := list(itertools.islice(self.todo, self.group_rows)):
             chunk, failed = media.attach_media(rows, self.options.media, media_failures)
             self.found.extend(failed)
             for row in chunk:
-                m = self.manifest
                 req = resolve_request(row, m.job_id, m.endpoint, self.options, self.max_tokens, self.budget)
                 key = fingerprint(req) if self.options.reuse_answers else None
                 if key is None:

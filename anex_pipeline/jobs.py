@@ -24,7 +24,15 @@ from typing import Any, BinaryIO, TypeVar
 import msgspec
 from pydantic import BaseModel
 
-from anex_pipeline.formats import FileFormat, InputRow, decode_stored_outcome, jsonl, parquet, sniff_format
+from anex_pipeline.formats import (
+    FileFormat,
+    InputRow,
+    StoredOutcome,
+    decode_stored_outcome,
+    jsonl,
+    parquet,
+    sniff_format,
+)
 from anex_pipeline.models import resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
 
@@ -164,13 +172,15 @@ class JobDir:
         path = self.requests_path(shard, manifest.format)
         yield from FORMATS[manifest.format].read_shard(path, manifest.endpoint, manifest.job_options())
 
-    def read_checkpoint(self, shard: int) -> dict[int, RowOutcome]:
-        """The latest outcome per row index; a torn last line (a killed writer) is ignored."""
-        return read_outcomes(self.checkpoint_path(shard))
+    def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
+        """The latest outcome of each row of the shard that has one, by row order, bodies left as
+        stored JSON; the checkpoint is streamed, never read whole (see :func:`latest_records`)."""
+        rng = self.manifest().shards[shard]
+        return latest_records(self.checkpoint_path(shard), rng.start, rng.stop, decode_stored_outcome)
 
-    def latest_records(self, shard: int, rng: ShardRange, decode: Callable[[bytes], T]) -> Iterator[T]:
-        """The latest record of each finished row of the shard, by row order (see :func:`latest_records`)."""
-        return latest_records(self.checkpoint_path(shard), rng.start, rng.stop, decode)
+    def finished_rows(self, shard: int) -> set[int]:
+        """The indices of the shard's rows whose latest outcome succeeded."""
+        return {o.i for o in self.outcomes(shard) if not o.failed}
 
     @property
     def deadline_path(self) -> Path:
@@ -197,11 +207,7 @@ class JobDir:
 
 def unfinished_shards(job: JobDir) -> list[int]:
     """Shards with rows that are missing from their checkpoint or failed."""
-    return [
-        shard
-        for shard, rng in enumerate(job.manifest().shards)
-        if sum(not o.failed for o in job.latest_records(shard, rng, decode_stored_outcome)) < rng.size
-    ]
+    return [shard for shard, rng in enumerate(job.manifest().shards) if len(job.finished_rows(shard)) < rng.size]
 
 
 def read_outcomes(path: Path) -> dict[int, RowOutcome]:

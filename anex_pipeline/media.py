@@ -528,7 +528,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
     and bytes.
     """
     started = time.monotonic()
-    finished = {i for i, o in job.read_checkpoint(shard).items() if o.ok}
+    finished = job.finished_rows(shard)
     rows: list[tuple[InputRow, list[MediaRef]]] = []
     total = inline = 0
     for row in job.read_requests(shard):

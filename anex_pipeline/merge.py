@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from anex_pipeline.estimate import read_estimate
-from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl, parquet
+from anex_pipeline.formats import StoredOutcome, jsonl, parquet
 from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text, write_error
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 
@@ -90,8 +90,8 @@ class _Tally:
 def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[StoredOutcome]:
     """Every finished row's latest outcome in input order, streamed shard by shard."""
     add = tally.add
-    for shard, rng in enumerate(manifest.shards):
-        for outcome in job.latest_records(shard, rng, decode_stored_outcome):
+    for shard in range(len(manifest.shards)):
+        for outcome in job.outcomes(shard):
             yield add(outcome)
 
 

@@ -70,7 +70,7 @@ class JobRunner:
         self._register(job)
         job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
         job.start_clock(manifest.job_options().time_limit_s)
-        self._load_engine_early(job)
+        self._load_engine_early(job, manifest)
         try:
             self._execute("estimate_job", job.job_id)
             chosen = range(len(manifest.shards)) if shards is None else shards
@@ -94,12 +94,11 @@ class JobRunner:
         if job.job_id not in self._leases:
             self._leases[job.job_id] = take_lease(job)
 
-    def _load_engine_early(self, job: JobDir) -> None:
+    def _load_engine_early(self, job: JobDir, manifest: JobManifest) -> None:
         """Starts loading the engine in the background while the first steps run (the steps that
         need it wait for it), when the job has rows left to generate."""
         if not unfinished_shards(job):
             return
-        manifest = job.manifest()
 
         def load() -> None:
             started = time.monotonic()

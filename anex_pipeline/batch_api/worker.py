@@ -100,9 +100,8 @@ class BatchWorker:
         size = path.stat().st_size if path.exists() else 0
         cached = self._counts.get(path)
         if cached is None or cached[0] != size:
-            outcomes = job.read_checkpoint(shard).values()
-            ok = sum(1 for o in outcomes if o.ok)
-            cached = self._counts[path] = (size, ok, len(outcomes) - ok)
+            failed = [o.failed for o in job.outcomes(shard)]
+            cached = self._counts[path] = (size, failed.count(False), failed.count(True))
         return cached[1], cached[2]
 
     # -- the two threads -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,27 +266,36 @@ class VllmLocalEngine:
     # -- running -------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
-        if self.settings.runner == "pooling":
-            return self._embed(requests)
         return collect(self.stream, requests)
+
+    @contextmanager
+    def _watched(self) -> Iterator[None]:
+        """A dead engine process fails the call instead of hanging it, and marks this engine dead:
+        load_engine then replaces it, so the shard's retry gets a new one."""
+        try:
+            with watch_engine(self.llm):
+                yield
+        except EngineProcessDied:
+            self.dead = True
+            raise
 
     def stream(self, requests: Iterable[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
         """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
         the engine has room, and finished rows come back in groups of about ``group_rows`` (in the
         order they finish). A row vLLM refuses fails alone; closing the generator early aborts the
         rows still in flight."""
+        source = iter(requests)
         if self.settings.runner == "pooling":
-            while group := list(itertools.islice(requests, group_rows)):
+            while group := list(itertools.islice(source, group_rows)):
                 yield self._embed(group)
             return
         engine = self.llm.llm_engine
         room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
-        source = iter(requests)
         flights: dict[str, _Flight] = {}
         done: list[RowOutcome] = []
         more = True
         try:
-            with watch_engine(self.llm):  # a dead engine process fails the call instead of hanging it
+            with self._watched():
                 while more or flights:
                     while more and len(flights) < room:
                         req = next(source, None)
@@ -299,9 +309,6 @@ class VllmLocalEngine:
                     if len(done) >= group_rows or (done and not (more or flights)):
                         yield done
                         done = []
-        except EngineProcessDied:
-            self.dead = True  # load_engine replaces a dead engine; the shard's retry gets a new one
-            raise
         finally:
             if flights and not self.dead:
                 engine.abort_request(list(flights))
@@ -350,10 +357,8 @@ class VllmLocalEngine:
         if cut is None:
             return False
         head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
-        flight.head, flight.head_text = (
-            head,
-            self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens),
-        )
+        flight.head = head
+        flight.head_text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
         left = params.max_tokens - len(head)
         if left < 1:
             flight.head = None
@@ -375,12 +380,8 @@ class VllmLocalEngine:
                 outcomes[req.index] = rejected(req, problem, "input")
             else:
                 ready.append((req, ids))
-        try:
-            with watch_engine(self.llm):  # a dead engine process fails the call instead of hanging it
-                finished = self._embed_isolating(ready)
-        except EngineProcessDied:
-            self.dead = True
-            raise
+        with self._watched():
+            finished = self._embed_isolating(ready)
         for req, outcome in finished:
             outcomes[req.index] = outcome
         return [outcomes[r.index] for r in requests]
