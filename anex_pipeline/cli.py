@@ -7,6 +7,7 @@ Exit codes: 0 when the job completed (failed rows included), 1 when it failed or
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -385,5 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REJECTED
 
 
+def entry() -> None:
+    """The ``anex-pipeline`` command: :func:`main`, then an exit that skips the interpreter's
+    teardown. With torch and vLLM loaded, that teardown takes seconds after everything is
+    written (2.7 s measured on the 2-core build machine); the exit handlers still run."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -16,7 +16,7 @@ from anex_pipeline.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.estimate import read_estimate, reusable_samples
 from anex_pipeline.formats import InputRow, StoredOutcome
-from anex_pipeline.jobs import JobDir, JobManifest, append_outcomes
+from anex_pipeline.jobs import JobDir, JobManifest
 from anex_pipeline.spec import EstimateReport, RowOutcome
 
 Progress = Callable[[int, int], None]
@@ -66,7 +66,7 @@ def run_shard(
     summary.kept_from_earlier_runs = len(finished)
     samples = {i: o for i, o in reusable_samples(job, estimate, rng.start, rng.stop).items() if i not in finished}
     if samples:
-        append_outcomes(job.checkpoint_path(shard), samples.values())
+        job.record_outcomes(shard, samples.values())
         finished.update(samples)
         summary.reused_from_sample = len(samples)
 
@@ -89,7 +89,7 @@ def run_shard(
             for group in itertools.chain(groups, [[]]):  # the empty group delivers what is left
                 outcomes = feed.delivered(group)
                 if outcomes:
-                    append_outcomes(job.checkpoint_path(shard), outcomes)
+                    job.record_outcomes(shard, outcomes)
                     done += len(outcomes)
                     if progress:
                         progress(done, rng.size)

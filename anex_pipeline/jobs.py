@@ -22,16 +22,19 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import msgspec
+import pyarrow as pa
 from pydantic import BaseModel
 
 from anex_pipeline.formats import (
     FileFormat,
     InputRow,
     StoredOutcome,
+    arrow_checkpoint,
     decode_stored_outcome,
     jsonl,
     parquet,
     sniff_format,
+    write_error,
 )
 from anex_pipeline.models import resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
@@ -41,6 +44,7 @@ MAX_REPORTED_PROBLEMS = 1000
 T = TypeVar("T")
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 FORMATS = {"jsonl": jsonl, "parquet": parquet}
+CHECKPOINT_FILES = {"jsonl": "results.jsonl", "parquet": "results.arrow"}  # a shard's finished rows
 READ_BLOCK = 1 << 18
 MAX_OPEN_RUNS = 64  # runs of a checkpoint merged side by side; more are merged on disk first
 PATCH_BYTES = 8 << 20  # small runs of a checkpoint held in memory while the merge streams the big ones
@@ -119,11 +123,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise write_error(exc, path) from None
 
 
-def write_error(exc: OSError, path: Path) -> OSError:
-    """The same error about ``path``, the file the job meant to write (not a temp file)."""
-    return OSError(exc.errno, exc.strerror or str(exc), str(path))
-
-
 class JobDir:
     """Paths and readers of one job's work folder."""
 
@@ -153,7 +152,8 @@ class JobDir:
         return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
 
     def checkpoint_path(self, shard: int) -> Path:
-        return self.shard_dir(shard) / "results.jsonl"
+        """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one."""
+        return self.shard_dir(shard) / CHECKPOINT_FILES[self.manifest().format]
 
     @property
     def estimate_path(self) -> Path:
@@ -172,11 +172,27 @@ class JobDir:
         path = self.requests_path(shard, manifest.format)
         yield from FORMATS[manifest.format].read_shard(path, manifest.endpoint, manifest.job_options())
 
+    def record_outcomes(self, shard: int, outcomes: Iterable[RowOutcome]) -> None:
+        """Appends finished rows to the shard's checkpoint, durably."""
+        manifest = self.manifest()
+        if manifest.format == "parquet":
+            arrow_checkpoint.append(self.checkpoint_path(shard), outcomes, manifest.endpoint)
+        else:
+            append_outcomes(self.checkpoint_path(shard), outcomes)
+
     def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
-        """The latest outcome of each row of the shard that has one, by row order, bodies left as
-        stored JSON; the checkpoint is streamed, never read whole (see :func:`latest_records`)."""
-        rng = self.manifest().shards[shard]
+        """The latest outcome of each row of the shard that has one, by row order. A JSONL job's
+        bodies stay the stored JSON and its checkpoint is streamed, never read whole (see
+        :func:`latest_records`); a Parquet job's answers stay in :meth:`answers`."""
+        manifest = self.manifest()
+        if manifest.format == "parquet":
+            return arrow_checkpoint.stored_outcomes(self.answers(shard))
+        rng = manifest.shards[shard]
         return latest_records(self.checkpoint_path(shard), rng.start, rng.stop, decode_stored_outcome)
+
+    def answers(self, shard: int) -> Iterator[pa.Table]:
+        """A Parquet job's shard checkpoint as columns: the latest row per index, by index."""
+        return arrow_checkpoint.latest(self.checkpoint_path(shard), self.manifest().endpoint)
 
     def finished_rows(self, shard: int) -> set[int]:
         """The indices of the shard's rows whose latest outcome succeeded."""
@@ -609,6 +625,7 @@ def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileForma
     targets = []
     for n, rng in enumerate(ranges):
         job.shard_dir(n).mkdir(parents=True, exist_ok=True)
-        job.checkpoint_path(n).unlink(missing_ok=True)  # the input changed: old results no longer apply
+        for name in CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
+            (job.shard_dir(n) / name).unlink(missing_ok=True)
         targets.append((job.requests_path(n, kind), rng.size))
     FORMATS[kind].split_staging(staging, targets)

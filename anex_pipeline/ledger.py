@@ -59,7 +59,7 @@ def result_keys(path: Path, fmt: str) -> Iterator[str]:
             for line in f:
                 yield json.loads(line)["custom_id"]
         return
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(path, pre_buffer=False)
     column = "id" if "id" in pf.schema_arrow.names else "row_index"
     for batch in pf.iter_batches(columns=[column]):
         yield from (str(v) for v in batch.column(0).to_pylist())

@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from scipy import stats
-
 
 @dataclass(frozen=True)
 class LengthBound:
@@ -37,6 +35,8 @@ class LengthBound:
 @lru_cache(maxsize=256)
 def order_statistic_rank(n: int, quantile: float = 0.95, confidence: float = 0.95) -> int | None:
     """The 1-based rank k of the distribution-free bound, or None when no rank below n works."""
+    from scipy import stats  # imported here: it takes seconds, and only a job that samples needs it
+
     for k in range(1, n):
         if stats.binom.cdf(k - 1, n, quantile) >= confidence:
             return k
@@ -46,6 +46,8 @@ def order_statistic_rank(n: int, quantile: float = 0.95, confidence: float = 0.9
 @lru_cache(maxsize=256)
 def tolerance_factor(n: int, quantile: float = 0.95, confidence: float = 0.95) -> float:
     """k such that mean + k * sd bounds the quantile of a normal population with that confidence."""
+    from scipy import stats
+
     delta = stats.norm.ppf(quantile) * math.sqrt(n)
     return float(stats.nct.ppf(confidence, n - 1, delta) / math.sqrt(n))
 

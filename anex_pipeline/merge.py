@@ -8,10 +8,14 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from anex_pipeline.estimate import read_estimate
-from anex_pipeline.formats import StoredOutcome, jsonl, parquet
-from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text, write_error
+from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
+from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 
 _timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
@@ -58,6 +62,24 @@ class _Tally:
         self.cached_prompt_tokens += usage.cached_prompt_tokens
         return o
 
+    def add_answers(self, table: pa.Table) -> pa.Table:
+        """Counts a Parquet job's checkpoint table (:meth:`JobDir.answers`) column-wise."""
+        failed = pc.is_valid(table.column("error"))
+        succeeded = pc.invert(failed)
+        failures = _int(pc.sum(failed))
+        self.failed += failures
+        self.completed += table.num_rows - failures
+        self.format_error_rows += _int(pc.sum(pc.and_(table.column("format_error"), succeeded)))
+        self.reused += _int(pc.sum(table.column("reused")))
+        for kinds in (pc.filter(table.column("error_type"), failed), table.column("flag")):
+            self.errors.update(_value_counts(kinds))
+        self.lengths.update(_value_counts(pc.filter(table.column("completion_tokens"), succeeded)))
+        self.prompt_tokens += _int(pc.sum(table.column("prompt_tokens")))
+        self.completion_tokens += _int(pc.sum(table.column("completion_tokens")))
+        self.reasoning_tokens += _int(pc.sum(table.column("reasoning_tokens")))
+        self.cached_prompt_tokens += _int(pc.sum(table.column("cached_prompt_tokens")))
+        return table
+
     @property
     def counts(self) -> RequestCounts:
         return RequestCounts(completed=self.completed, failed=self.failed, format_error_rows=self.format_error_rows)
@@ -87,12 +109,28 @@ class _Tally:
         return found
 
 
+def _int(scalar: pa.Scalar) -> int:
+    return scalar.as_py() or 0  # the sum of nothing is null
+
+
+def _value_counts(values: pa.ChunkedArray) -> dict[Any, int]:
+    counted = pc.value_counts(values.drop_null())
+    return dict(zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True))
+
+
 def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[StoredOutcome]:
     """Every finished row's latest outcome in input order, streamed shard by shard."""
     add = tally.add
     for shard in range(len(manifest.shards)):
         for outcome in job.outcomes(shard):
             yield add(outcome)
+
+
+def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[pa.Table]:
+    """A Parquet job's checkpoint tables in input order, counted on the way."""
+    for shard in range(len(manifest.shards)):
+        for table in job.answers(shard):
+            yield tally.add_answers(table)
 
 
 def result_path(job: JobDir) -> Path:
@@ -107,12 +145,12 @@ def merge_job(job: JobDir) -> JobReport:
     final = result_path(job)
     partial = final.with_name(f".{final.name}.partial")
     tally = _Tally()
-    rows = _ordered(job, manifest, tally)
     try:
         if manifest.format == "jsonl":
-            jsonl.write_results(partial, rows)
+            jsonl.write_results(partial, _ordered(job, manifest, tally))
         else:
-            parquet.write_results(Path(manifest.input), partial, rows, manifest.endpoint)
+            answers = _answer_tables(job, manifest, tally)
+            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
         partial.replace(final)
     except OSError as exc:  # e.g. a full disk: leave no half-written result behind
         partial.unlink(missing_ok=True)

@@ -47,12 +47,14 @@ class JobRunner:
         self.engine = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
         self.defs = build_definitions(storage, self.engine)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
+        self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time
 
     def submit(self, input_path: str, output: str, raw_options: dict[str, Any], report: str | None = None) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition."""
         options = parse_options(raw_options)
         job = prepare_job(Path(input_path), output, options, Path(self.storage.work_root).expanduser(), report=report)
         self._hold(job)
+        self._load_engine_early(job, job.manifest())
         self._register(job)
         self._execute("submit_job", job.job_id)
         return job
@@ -96,9 +98,10 @@ class JobRunner:
 
     def _load_engine_early(self, job: JobDir, manifest: JobManifest) -> None:
         """Starts loading the engine in the background while the first steps run (the steps that
-        need it wait for it), when the job has rows left to generate."""
-        if not unfinished_shards(job):
+        need it wait for it), once per job, when the job has rows left to generate."""
+        if job.job_id in self._early_loads or not unfinished_shards(job):
             return
+        self._early_loads.add(job.job_id)
 
         def load() -> None:
             started = time.monotonic()

@@ -12,8 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from anex_pipeline.formats import arrow_checkpoint
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 ROWS = 900
@@ -64,3 +67,34 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path, seed: in
     assert answers(out) == answers(tmp_path / "ref.jsonl")
     # The checkpoints only grew by the rows that were missing: nothing finished was generated again.
     assert checkpoint_lines(tmp_path) == ROWS
+
+
+def test_sigkill_of_a_parquet_job_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    src = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": [f"question {i}" for i in range(ROWS)]}), src
+    )
+    args = ("--shards", "3", "--set", "max_tokens=20")
+
+    reference = cli(tmp_path / "ref", "run", str(src), "-o", str(tmp_path / "ref.parquet"), *args)
+    assert reference.wait(timeout=300) == 0, reference.stderr.read() if reference.stderr else ""
+
+    def appended_rows() -> int:
+        paths = (tmp_path / "work").glob("*/shards/*/results.arrow")
+        return sum(batch.num_rows for path in paths for batch in arrow_checkpoint.whole_batches(path))
+
+    out = tmp_path / "out.parquet"
+    victim = cli(tmp_path, "run", str(src), "-o", str(out), *args, delay=0.004)
+    deadline = time.monotonic() + 120
+    while appended_rows() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(4).uniform(0.0, 2.0))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert appended_rows() > 0
+    assert not out.exists() or pq.read_table(out).num_rows == ROWS
+
+    rerun = cli(tmp_path, "run", str(src), "-o", str(out), *args)
+    assert rerun.wait(timeout=300) == 0, rerun.stderr.read() if rerun.stderr else ""
+    assert pq.read_table(out).to_pylist() == pq.read_table(tmp_path / "ref.parquet").to_pylist()
+    assert appended_rows() == ROWS  # nothing finished was generated again

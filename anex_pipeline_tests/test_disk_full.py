@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
@@ -59,10 +61,45 @@ def checkpoint_lines(work: Path) -> list[str]:
     return [line for p in sorted(work.glob("*/shards/*/results.jsonl")) for line in p.read_text().splitlines(True)]
 
 
+def checkpoint_rows(work: Path) -> list[str]:
+    """Every row appended to a Parquet job's checkpoints, as "index error-or-answer"; reading the
+    files whole fails on a torn message."""
+    rows = []
+    for path in sorted(work.glob("*/shards/*/results.arrow")):
+        table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+        columns = (table.column(c).to_pylist() for c in ("i", "error", "value"))
+        rows += [f"{i} {e or v}" for i, e, v in zip(*columns, strict=True)]
+    return rows
+
+
 def job_input(tmp: Path) -> Path:
     return write_jsonl(
         tmp / "in.jsonl", [chat_row(f"r{i}", f"question number {i}", max_tokens=20) for i in range(ROWS)]
     )
+
+
+def parquet_input(tmp: Path) -> Path:
+    path = tmp / "in.parquet"
+    pq.write_table(
+        pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": [f"question {i}" for i in range(ROWS)]}), path
+    )
+    return path
+
+
+def fill_up_once(work: Path, proc: subprocess.Popen[str], ready: Callable[[], bool]) -> Path:
+    """Waits until ``ready()`` (or the command ends), then takes every byte left on the work
+    folder's disk while the shard runs; returns the file holding them."""
+    deadline = time.monotonic() + 120
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    filler = work / "filler"
+    with filler.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return filler
 
 
 def assert_clean_failure(code: int, err: str, path: Path) -> None:
@@ -99,16 +136,7 @@ def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path:
     proc = cli(
         tmp_path, work, "run", str(src), "-o", str(out), "--shards", "2", "--set", "checkpoint_rows=10", delay=0.01
     )
-    deadline = time.monotonic() + 120
-    while len(checkpoint_lines(work)) < 30 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    filler = work / "filler"
-    with filler.open("wb", buffering=0) as f:  # take every byte that is left while the shard runs
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
+    filler = fill_up_once(work, proc, lambda: len(checkpoint_lines(work)) >= 30)
     code, err = finish(proc)
     assert_clean_failure(code, err, work)
     assert not out.exists()  # no result from a job that could not finish
@@ -125,3 +153,27 @@ def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path:
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
     after = checkpoint_lines(work)
     assert len(after) == ROWS and set(kept) <= set(after)  # finished rows kept, none generated again
+
+
+def test_work_folder_filling_up_mid_shard_keeps_a_parquet_checkpoint_whole(tmp_path: Path, small_disk: Mount) -> None:
+    src = parquet_input(tmp_path)
+    work = small_disk(tmp_path / "work", "1m")
+    out = tmp_path / "out" / "result.parquet"
+    args = ("run", str(src), "-o", str(out), "--shards", "2", "--set", "checkpoint_rows=10", "--set", "max_tokens=20")
+
+    proc = cli(tmp_path, work, *args, delay=0.01)
+    filler = fill_up_once(work, proc, lambda: len(checkpoint_rows(work)) >= 30)
+    code, err = finish(proc)
+    assert_clean_failure(code, err, work)
+    assert not out.exists()
+
+    kept = checkpoint_rows(work)  # every checkpoint still reads whole
+    assert 30 <= len(kept) < ROWS
+    assert all(row.split(" ", 1)[1].startswith("answer to") for row in kept), kept[:3]  # answers, no failures
+
+    filler.unlink()
+    code, err = finish(cli(tmp_path, work, *args))
+    assert code == 0, err
+    assert pq.read_table(out).column("id").to_pylist() == [f"r{i}" for i in range(ROWS)]
+    after = checkpoint_rows(work)
+    assert len(after) == ROWS and set(kept) <= set(after)

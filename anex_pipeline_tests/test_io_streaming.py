@@ -202,7 +202,7 @@ def parquet_input(tmp_path: Path, **columns: Any) -> Path:
 
 
 def test_parquet_results_keep_the_input_columns_and_types(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parquet, "BATCH_ROWS", 4)  # several batches, some of them partly delivered
+    monkeypatch.setattr(parquet, "MERGE_ROWS", 4)  # several batches, some of them partly delivered
     n = 10
     src = parquet_input(
         tmp_path,
@@ -214,7 +214,7 @@ def test_parquet_results_keep_the_input_columns_and_types(tmp_path: Path, monkey
     )
     job = prepare_job(src, str(tmp_path / "out.parquet"), JobOptions(), tmp_path / "work")
     outcomes = [answer(i, str(i)) if i % 4 else failure(i, str(i)) for i in range(n) if i not in (5, 6)]
-    append_outcomes(job.checkpoint_path(0), outcomes[::-1])  # out of order on purpose
+    job.record_outcomes(0, outcomes[::-1])  # out of order on purpose
     merge_job(job)
     table = pq.read_table(result_path(job))
     source = pq.read_table(src)

@@ -1,7 +1,9 @@
 """I/O benchmark: a large job through validate + shard and merge + write, without generation,
 against reading the same file and writing an output of the same shape with polars (JSONL) or
 pyarrow (Parquet) alone. Each step runs in its own process, so that its peak memory (ru_maxrss)
-is its own; the checkpoints the merge reads are written in between, untimed.
+is its own; the checkpoints the merge reads are written in between, untimed. Every timed step runs
+``--repeat`` times (3 by default), each in a new process: its median time counts, and its
+highest peak.
 
     python -m bench.io_throughput --rows 1000000
 """
@@ -13,6 +15,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,10 +63,10 @@ def prepare(src: Path, work: Path, out: Path) -> dict[str, float]:
 def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
     """Writes each shard's checkpoint the way generation does: the reused sample rows first (in
     sample order), then the rest in row order, where one row in a thousand failed and was
-    appended again, finished, by a rerun. (Generation appends chunks of 256 rows; bigger
-    chunks here give the same file, faster.)"""
+    appended again, finished, by a rerun; in chunks of the job's ``checkpoint_rows``, as
+    generation appends them."""
     from anex_pipeline.completions import Generated, chat_completion
-    from anex_pipeline.jobs import JobDir, append_outcomes
+    from anex_pipeline.jobs import JobDir
     from anex_pipeline.spec import RowError, RowOutcome
 
     job = JobDir(work, (work / "job_id").read_text())
@@ -72,15 +75,15 @@ def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
     usage = {"prompt_tokens": 21, "completion_tokens": 8, "reasoning_tokens": 0, "cached_prompt_tokens": 0}
     sample = random.Random(0).sample(range(manifest.total_rows), min(SAMPLE_ROWS, manifest.total_rows))
     failed = RowError(message="synthetic failure", type="engine_error")
+    chunk = manifest.job_options().checkpoint_rows
 
     def done(i: int, key: str) -> RowOutcome:
         body = chat_completion(f"{manifest.job_id}-{i}", manifest.model_name, generated)
         return RowOutcome(i, key, 200, body=body, usage=usage)
 
     for shard, rng in enumerate(manifest.shards):
-        path = job.checkpoint_path(shard)
         keys = {r.index: r.key for r in job.read_requests(shard) if r.index in sample}
-        append_outcomes(path, [done(i, keys[i]) for i in sample if rng.start <= i < rng.stop])
+        job.record_outcomes(shard, [done(i, keys[i]) for i in sample if rng.start <= i < rng.stop])
         batch: list[RowOutcome] = []
         retried: list[RowOutcome] = []
         for r in job.read_requests(shard):
@@ -91,11 +94,11 @@ def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
                 retried.append(done(r.index, r.key))
             else:
                 batch.append(done(r.index, r.key))
-            if len(batch) == 65536:
-                append_outcomes(path, batch)
+            if len(batch) == chunk:
+                job.record_outcomes(shard, batch)
                 batch = []
-        append_outcomes(path, batch)
-        append_outcomes(path, retried)
+        job.record_outcomes(shard, batch)
+        job.record_outcomes(shard, retried)
     return {}
 
 
@@ -205,16 +208,27 @@ def run_step(step: str, src: Path, folder: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(src: Path) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
-    """The baselines, then ours: validate + shard, the checkpoints (untimed), merge + write."""
+def measure(src: Path, repeat: int) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+    """The baselines, then ours: validate + shard, the checkpoints (untimed), merge + write;
+    each timed step ``repeat`` times, reporting the median time and the highest peak."""
+
+    def repeated(step: str, folder: str | None = None) -> dict[str, float]:
+        runs = []
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory(dir=src.parent) as fresh:
+                runs.append(run_step(step, src, folder or fresh))
+        return {
+            "seconds": statistics.median(r["seconds"] for r in runs),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "imported_rss_mb": max(r["imported_rss_mb"] for r in runs),
+        }
+
+    copied, base = repeated("copy"), repeated("baseline")
+    prepared = repeated("prepare")
     with tempfile.TemporaryDirectory(dir=src.parent) as folder:
-        copied = run_step("copy", src, folder)
-    with tempfile.TemporaryDirectory(dir=src.parent) as folder:
-        base = run_step("baseline", src, folder)
-    with tempfile.TemporaryDirectory(dir=src.parent) as folder:
-        prepared = run_step("prepare", src, folder)
+        run_step("prepare", src, folder)
         run_step("fill", src, folder)
-        merged = run_step("merge", src, folder)
+        merged = repeated("merge", folder)  # the merge leaves the checkpoints as they are
     return copied, base, prepared, merged
 
 
@@ -222,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--format", choices=["jsonl", "parquet"], action="append", help="default: both")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each timed step; the median counts")
     parser.add_argument("--child", nargs=3, metavar=("STEP", "SRC", "FOLDER"), help=argparse.SUPPRESS)
     parser.add_argument("--inputs", nargs=2, metavar=("FOLDER", "ROWS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,15 +253,15 @@ def main() -> None:
         sources = {"jsonl": Path(folder) / "big.jsonl", "parquet": Path(folder) / "big.parquet"}
         for kind in args.format or sources:
             src = sources[kind]
-            copied, base, prepared, merged = measure(src)
+            copied, base, prepared, merged = measure(src, args.repeat)
             ours = prepared["seconds"] + merged["seconds"]
             print(
                 f"{kind} {args.rows:,} rows ({src.stat().st_size / 1e6:.0f} MB); peak memory (after imports):\n"
-                f"  baseline {args.rows / base['seconds']:,.0f} rows/s ({base['seconds']:.1f} s), "
+                f"  baseline {args.rows / base['seconds']:,.0f} rows/s ({base['seconds']:.2f} s), "
                 f"peak {base['peak_rss_mb']:.0f} MB ({base['imported_rss_mb']:.0f} MB)\n"
-                f"  ours     {args.rows / ours:,.0f} rows/s (validate+shard {prepared['seconds']:.1f} s, "
+                f"  ours     {args.rows / ours:,.0f} rows/s (validate+shard {prepared['seconds']:.2f} s, "
                 f"peak {prepared['peak_rss_mb']:.0f} MB ({prepared['imported_rss_mb']:.0f} MB); "
-                f"merge+write {merged['seconds']:.1f} s, peak {merged['peak_rss_mb']:.0f} MB "
+                f"merge+write {merged['seconds']:.2f} s, peak {merged['peak_rss_mb']:.0f} MB "
                 f"({merged['imported_rss_mb']:.0f} MB))\n"
                 f"  ratio (ours / baseline rows/s) {base['seconds'] / ours:.2f}; for reference, the input "
                 f"written back unchanged: {args.rows / copied['seconds']:,.0f} rows/s, "

@@ -77,37 +77,13 @@ def sniff_format(path: Path) -> FileFormat | None:
     return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
 
-class _Message(msgspec.Struct):
-    content: Any = None
+def write_error(exc: OSError, path: Path) -> OSError:
+    """The same error about ``path``, the file the job meant to write (not a temp file)."""
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
-class _Choice(msgspec.Struct):
-    text: Any = None
-    message: _Message | None = None
-
-
-class _Answer(msgspec.Struct):
-    choices: list[_Choice] | None = None
-
-
-_decode_answer = msgspec.json.Decoder(_Answer).decode
-
-
-def result_text(endpoint: str, body: bytes) -> str:
-    """The answer text of a completion body (JSON), or the whole body when it has no text."""
-    try:
-        choices = _decode_answer(body).choices
-    except msgspec.ValidationError:  # an unusual body: the slow path below says what to deliver
-        choices = None
-    if choices:
-        first = choices[0]
-        text = first.text if endpoint == "completions" else first.message and first.message.content
-        if isinstance(text, str) and text:
-            return text
-    return _text_of(endpoint, msgspec.json.decode(body))
-
-
-def _text_of(endpoint: str, body: dict[str, Any]) -> str:
+def text_of(endpoint: str, body: dict[str, Any]) -> str:
+    """The answer text of a completion body, or the whole body as JSON when it has no text."""
     choice = (body.get("choices") or [{}])[0]
     text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")
     return text if isinstance(text, str) and text else json.dumps(body, ensure_ascii=False)

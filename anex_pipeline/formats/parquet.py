@@ -4,19 +4,22 @@ IPC files of the prompt values."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from anex_pipeline.formats import JSON_NULL, InputRow, StoredOutcome, result_text
+from anex_pipeline.formats import InputRow, arrow_checkpoint
 from anex_pipeline.spec import Endpoint, JobOptions, Problem
 from anex_pipeline.validate import check_body
 
+T = TypeVar("T")
 BATCH_ROWS = 16_384
+MERGE_ROWS = 65_536  # input rows per batch, and per row group, of a result file
 SHARD_FILE = "requests.arrow"
 SHARD_COLUMNS = ("i", "key", "value")
 # A prompt made only of what str.strip() removes (every such character is at most U+3000).
@@ -38,7 +41,8 @@ class ParquetInputError(Exception):
 
 def open_input(path: Path) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(path)
+        # Pre-buffering reads ahead a whole file's column data: memory would grow with the file.
+        return pq.ParquetFile(path, pre_buffer=False)
     except (pa.ArrowException, OSError) as exc:
         raise ParquetInputError([Problem(f"the file is not a readable Parquet file ({exc})")]) from None
 
@@ -100,9 +104,9 @@ def read_chunks(
     index = 0
     try:
         seen: dict[str, int] | None = None if not has_id or _ids_unique(pf) else {}
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+        for batch in _made_ahead(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
             values = batch.column(column)
-            indices = pa.array(range(index, index + batch.num_rows), pa.int64())
+            indices = pa.array(np.arange(index, index + batch.num_rows, dtype=np.int64))
             if seen is None and _plain_and_sound(values, endpoint):
                 keys = (batch.column("id") if has_id else indices).cast(pa.string())
                 yield pa.RecordBatch.from_arrays([indices, keys, values], names=SHARD_COLUMNS)
@@ -244,58 +248,84 @@ def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[
             yield from chunk_rows(reader.get_batch(n), endpoint, options)
 
 
-def write_results(
-    input_path: Path,
-    out_path: Path,
-    outcomes: Iterator[StoredOutcome],
-    endpoint: Endpoint,
-) -> int:
-    """Copies the input's columns and adds the result columns, keeping only rows with an outcome.
+def write_results(input_path: Path, out_path: Path, answers: Iterator[pa.Table], endpoint: Endpoint) -> int:
+    """Copies the input's columns and adds the result columns, keeping only rows with an answer.
 
-    ``outcomes`` must come in input order; rows without one (a job that stopped early) are left out.
+    ``answers`` are checkpoint tables (:mod:`~anex_pipeline.formats.arrow_checkpoint`) whose rows
+    come in ascending input order across all of them; rows without one (a job that stopped
+    early) are left out. Returns the number of rows written.
     """
-    pf = pq.ParquetFile(input_path)
+    pf = open_input(input_path)
     add_index = "id" not in pf.schema_arrow.names
-    value_type = pa.list_(pa.float32()) if endpoint == "embeddings" else pa.string()
-    value_name = "embedding" if endpoint == "embeddings" else "output"
-    fields = [f for f in pf.schema_arrow if f.name not in ("row_index", value_name, "error_type")]
+    value = arrow_checkpoint.value_field(endpoint)
+    fields = [f for f in pf.schema_arrow if f.name not in ("row_index", value.name, "error_type")]
     schema = pa.schema(
         fields
         + ([pa.field("row_index", pa.int64())] if add_index else [])
-        + [pa.field(value_name, value_type), pa.field("error_type", pa.string())]
+        + [value, pa.field("error_type", pa.string())]
     )
-    pending = next(outcomes, None)
     written = 0
-    offset = 0
     with pq.ParquetWriter(out_path, schema) as writer:
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            stop = offset + batch.num_rows
-            group: list[StoredOutcome] = []
-            while pending is not None and pending.i < stop:
-                if pending.i >= offset:
-                    group.append(pending)
-                pending = next(outcomes, None)
-            if len(group) == batch.num_rows:
-                taken, indices = batch, pa.array(range(offset, stop), pa.int64())
-            else:
-                indices = pa.array([o.i for o in group], pa.int64())
-                taken = batch.take(pc.subtract(indices, offset))
-            cols = [taken.column(f.name) for f in fields]
-            if add_index:
-                cols.append(indices)
-            cols += [
-                pa.array([_value(o, endpoint) for o in group], value_type),
-                pa.array([o.error_type for o in group], pa.string()),
-            ]
-            writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
-            written += len(group)
-            offset = stop
+        for table in _made_ahead(_result_tables(pf, answers, schema, add_index, endpoint)):
+            writer.write_table(table)
+            written += table.num_rows
     return written
 
 
-def _value(outcome: StoredOutcome, endpoint: Endpoint) -> Any:
-    if outcome.error is not None or outcome.body == JSON_NULL:
-        return None
-    if endpoint == "embeddings":
-        return msgspec.json.decode(outcome.body)["data"][0]["embedding"]
-    return result_text(endpoint, outcome.body)
+def _result_tables(
+    pf: pq.ParquetFile, answers: Iterator[pa.Table], schema: pa.Schema, add_index: bool, endpoint: Endpoint
+) -> Iterator[pa.Table]:
+    """The result, a table per batch of input rows: the input's columns of the rows that have an
+    answer, then ``row_index`` (with ``add_index``), the answer and ``error_type``."""
+    copied = schema.names[: -3 if add_index else -2]
+    pending = _Answers(answers, arrow_checkpoint.schema(endpoint))
+    offset = 0
+    for batch in pf.iter_batches(batch_size=MERGE_ROWS):
+        stop = offset + batch.num_rows
+        found = pending.before(stop)
+        indices = found.column("i")
+        taken = pa.Table.from_batches([batch])
+        if found.num_rows < batch.num_rows:
+            taken = taken.take(pc.subtract(indices, offset))
+        cols = [taken.column(name) for name in copied] + ([indices] if add_index else [])
+        cols += [found.column("value"), found.column("error_type")]  # a failed row's value is null
+        yield pa.Table.from_arrays(cols, schema=schema)
+        offset = stop
+
+
+def _made_ahead(items: Iterator[T]) -> Iterator[T]:
+    """The same items, each made on a second thread while the caller works on the one before it
+    (pyarrow lets go of the GIL while it decodes, gathers and encodes)."""
+    with ThreadPoolExecutor(1) as pool:
+        coming = pool.submit(next, items, None)
+        while (item := coming.result()) is not None:
+            coming = pool.submit(next, items, None)
+            yield item
+
+
+class _Answers:
+    """Checkpoint tables in ascending row order, handed out by ranges of row indices."""
+
+    def __init__(self, tables: Iterator[pa.Table], schema: pa.Schema):
+        self.tables = tables
+        self.schema = schema
+        self.held: pa.Table | None = None
+
+    def before(self, stop: int) -> pa.Table:
+        """The answers of rows below ``stop`` not handed out yet, in one table."""
+        parts = []
+        while True:
+            if self.held is None:
+                self.held = next(self.tables, None)
+                if self.held is None:
+                    break
+            indices = self.held.column("i")
+            if self.held.num_rows == 0 or indices[-1].as_py() < stop:
+                parts.append(self.held)
+                self.held = None
+                continue
+            count = int(np.searchsorted(indices.to_numpy(), stop))
+            parts.append(self.held.slice(0, count))
+            self.held = self.held.slice(count)
+            break
+        return pa.concat_tables(parts).combine_chunks() if parts else self.schema.empty_table()

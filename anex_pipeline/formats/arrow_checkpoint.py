@@ -1,0 +1,173 @@
+"""The checkpoint of a Parquet job's shard: an Arrow IPC stream of finished rows, in columns.
+
+A Parquet result holds one answer text (or embedding) per row, so its checkpoint keeps exactly
+that plus what the report counts, as columns: the merge then builds the result and the report
+with Arrow compute, never a Python object per row. The file is one schema message followed by
+one record-batch message per appended chunk (no end-of-stream marker, so appending is writing
+at the end). A writer killed mid-append leaves a torn last message: readers stop before it, and
+the next append cuts it off first. Of the rows written more than once (a failure, then a
+rerun), the last one written counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, text_of, write_error
+from anex_pipeline.spec import Endpoint, RowOutcome
+
+USAGE_COLUMNS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
+_READ_ERRORS = (pa.ArrowInvalid, OSError)  # what a torn message raises
+WINDOW_ROWS = 65_536  # rows of a checkpoint copied at a time when reading it
+_known_ends: dict[str, tuple[int, int]] = {}  # path -> (inode, size) after this process's last append
+
+
+def value_field(endpoint: Endpoint) -> pa.Field:
+    """The result column a Parquet job adds: the answer text, or the embedding."""
+    if endpoint == "embeddings":
+        return pa.field("embedding", pa.list_(pa.float32()))
+    return pa.field("output", pa.string())
+
+
+def schema(endpoint: Endpoint) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("i", pa.int64()),
+            pa.field("key", pa.string()),
+            pa.field("status_code", pa.int32()),
+            pa.field("error", pa.string()),  # the row's error as JSON; null for a completion
+            pa.field("error_type", pa.string()),  # what the result's error_type column shows
+            pa.field("flag", pa.string()),
+            pa.field("format_error", pa.bool_()),
+            *(pa.field(name, pa.int64()) for name in USAGE_COLUMNS),
+            pa.field("reused", pa.bool_()),
+            pa.field("value", value_field(endpoint).type),
+        ]
+    )
+
+
+def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+    """Appends finished rows as one record batch and makes them durable before returning; a
+    failed write (a full disk) is cut back off, so the file stays readable."""
+    rows = list(outcomes)
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    message = memoryview(_batch(rows, endpoint).serialize())
+    with path.open("ab", buffering=0) as f:
+        start = _good_end(path, os.fstat(f.fileno()))
+        try:
+            if start < os.fstat(f.fileno()).st_size:
+                f.truncate(start)
+            if start == 0:
+                message = memoryview(schema(endpoint).serialize().to_pybytes() + message)
+            while message:
+                message = message[f.write(message) :]
+            os.fsync(f.fileno())
+        except OSError as exc:
+            f.truncate(start)
+            _known_ends.pop(str(path), None)
+            raise write_error(exc, path) from None
+        stat = os.fstat(f.fileno())
+        _known_ends[str(path)] = (stat.st_ino, stat.st_size)
+
+
+def _good_end(path: Path, stat: os.stat_result) -> int:
+    """Where the last whole message of the file ends (0: not even the schema is whole)."""
+    if _known_ends.get(str(path)) == (stat.st_ino, stat.st_size):  # as this process left it
+        return stat.st_size
+    if stat.st_size == 0:
+        return 0
+    end = 0
+    with pa.memory_map(str(path)) as source:
+        while True:
+            try:
+                pa.ipc.read_message(source)
+            except (EOFError, *_READ_ERRORS):  # the end, or a torn message
+                return end
+            end = source.tell()
+
+
+def _batch(rows: list[RowOutcome], endpoint: Endpoint) -> pa.RecordBatch:
+    columns: dict[str, list[Any]] = {
+        "i": [o.index for o in rows],
+        "key": [o.key for o in rows],
+        "status_code": [o.status_code for o in rows],
+        "error": [json.dumps(o.error.as_dict()) if o.error else None for o in rows],
+        "error_type": [o.error_type for o in rows],
+        "flag": [o.completion_flag for o in rows],
+        "format_error": [o.format_error for o in rows],
+        **{name: [o.usage.get(name, 0) for o in rows] for name in USAGE_COLUMNS},
+        "reused": [o.reused for o in rows],
+        "value": [_value(o, endpoint) for o in rows],
+    }
+    return pa.RecordBatch.from_pydict(columns, schema=schema(endpoint))
+
+
+def _value(o: RowOutcome, endpoint: Endpoint) -> Any:
+    if o.error is not None or o.body is None:
+        return None
+    if endpoint == "embeddings":
+        return o.body["data"][0]["embedding"]
+    return text_of(endpoint, o.body)
+
+
+def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterator[pa.Table]:
+    """The last row written for each row index, by ascending index, in tables of at most
+    ``window`` rows (default ``WINDOW_ROWS``). The file is memory-mapped, not read: what is copied is the row indices
+    (8 bytes a row), the order to take them in when the file is not in order (8 more), and one
+    window at a time."""
+    window = window or WINDOW_ROWS
+    table = pa.Table.from_batches(list(whole_batches(path)), schema=schema(endpoint))
+    indices = table.column("i").to_numpy()
+    order = None
+    if not (np.diff(indices) > 0).all():  # not simply appended in order, once each
+        order = np.argsort(indices, kind="stable")  # equal indices keep their order of writing
+        ordered = indices[order]
+        order = order[np.append(ordered[1:] != ordered[:-1], True)]
+    for start in range(0, table.num_rows if order is None else len(order), window):
+        yield table.slice(start, window) if order is None else table.take(pa.array(order[start : start + window]))
+
+
+def whole_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    """Every chunk appended to the file, in the order of writing, up to a torn one."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+        while True:
+            yield reader.read_next_batch()
+    except StopIteration:
+        return
+    except _READ_ERRORS:  # a torn last message: what came before it stands
+        return
+
+
+def stored_outcomes(tables: Iterable[pa.Table]) -> Iterator[StoredOutcome]:
+    """The rows of :func:`latest` as the outcome records every format's readers share (the
+    answer itself stays in the tables: ``body`` is null)."""
+    names = ["i", "key", "status_code", "error", "flag", "format_error", *USAGE_COLUMNS, "reused"]
+    for table in tables:
+        yield from _stored(table.column(name).to_pylist() for name in names)
+
+
+def _stored(columns: Iterator[list[Any]]) -> Iterator[StoredOutcome]:
+    for i, key, status, error, flag, format_error, p, c, r, cached, reused in zip(*columns, strict=True):
+        yield StoredOutcome(
+            i=i,
+            key=key,
+            status_code=status,
+            body=JSON_NULL,
+            error=json.loads(error) if error is not None else None,
+            flag=flag,
+            format_error=format_error,
+            usage=StoredUsage(p, c, r, cached),
+            reused=reused,
+        )

@@ -1,0 +1,169 @@
+"""Parquet jobs' column checkpoints: a torn append cut at any byte keeps every whole chunk before
+it and is cut off by the next append; a failed write leaves the file as it was; the last row
+written wins; and the column-wise merge gives the same report and answers as the row-by-row JSONL
+merge of the same outcomes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from anex_pipeline.formats import arrow_checkpoint, parquet
+from anex_pipeline.jobs import JobDir, prepare_job
+from anex_pipeline.merge import merge_job, result_path
+from anex_pipeline.spec import JobOptions, RowError, RowOutcome
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+
+
+def answer(i: int, text: str | None = None, **fields: object) -> RowOutcome:
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text or f"answer {i}"}}]}
+    usage = {"prompt_tokens": 5 + i % 3, "completion_tokens": 1 + i % 7, "cached_prompt_tokens": i % 2}
+    return RowOutcome(i, str(i), 200, body=body, usage=usage, **fields)  # type: ignore[arg-type]
+
+
+def failure(i: int, kind: str = "engine_error") -> RowOutcome:
+    return RowOutcome(i, str(i), 500, error=RowError(message=f"row {i} failed", type=kind), usage={"prompt_tokens": 2})
+
+
+def latest(path: Path, window: int | None = None) -> pa.Table:
+    tables = list(arrow_checkpoint.latest(path, "chat", window))
+    assert all(0 < t.num_rows <= (window or arrow_checkpoint.WINDOW_ROWS) for t in tables)
+    return pa.concat_tables(tables) if tables else arrow_checkpoint.schema("chat").empty_table()
+
+
+def indices(path: Path) -> list[int]:
+    return latest(path).column("i").to_pylist()
+
+
+def test_a_torn_append_at_any_byte_keeps_the_chunks_before_it(tmp_path: Path) -> None:
+    path = tmp_path / "results.arrow"
+    arrow_checkpoint.append(path, [answer(0), answer(1)], "chat")
+    arrow_checkpoint.append(path, [answer(2)], "chat")
+    whole = path.read_bytes()
+    arrow_checkpoint.append(path, [answer(3, "torn")], "chat")
+    full = path.read_bytes()
+    for cut in range(len(whole), len(full)):  # a writer killed after writing `cut` bytes
+        path.write_bytes(full[:cut])
+        arrow_checkpoint._known_ends.clear()  # as in the next process
+        assert indices(path) == [0, 1, 2], cut
+        arrow_checkpoint.append(path, [answer(4)], "chat")
+        assert indices(path) == [0, 1, 2, 4], cut
+    for cut in range(len(whole)):  # torn inside the schema or the first chunks
+        path.write_bytes(full[:cut])
+        arrow_checkpoint._known_ends.clear()
+        arrow_checkpoint.append(path, [answer(4)], "chat")
+        assert set(indices(path)) <= {0, 1, 2, 4} and 4 in indices(path), cut
+
+
+def test_a_failed_write_is_cut_back_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "results.arrow"
+    arrow_checkpoint.append(path, [answer(0)], "chat")
+    before = path.read_bytes()
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left") as caught:
+        arrow_checkpoint.append(path, [answer(1)], "chat")
+    assert caught.value.filename == str(path)
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    arrow_checkpoint.append(path, [answer(2)], "chat")
+    assert indices(path) == [0, 2]
+
+
+def test_the_last_row_written_for_an_index_wins(tmp_path: Path) -> None:
+    path = tmp_path / "results.arrow"
+    arrow_checkpoint.append(path, [answer(5), failure(3), answer(4)], "chat")
+    arrow_checkpoint.append(path, [answer(3, "rerun"), failure(5)], "chat")
+    arrow_checkpoint.append(path, [answer(5, "rerun again")], "chat")
+    for window in (1, 2, 3, 100):  # read a window of rows at a time
+        table = latest(path, window)
+        assert table.column("i").to_pylist() == [3, 4, 5]
+        assert table.column("value").to_pylist() == ["rerun", "answer 4", "rerun again"]
+    assert latest(tmp_path / "missing.arrow").num_rows == 0
+
+
+def outcomes_of_a_messy_run(rows: int, seed: int) -> list[list[RowOutcome]]:
+    """Chunks as reruns leave them: failures, length and format flags, copies, a stray sample,
+    reruns out of order, and some rows never finished."""
+    rng = random.Random(seed)
+    chunks: list[list[RowOutcome]] = [[answer(i) for i in rng.sample(range(rows), 5)]]
+    for start in range(0, rows, 13):
+        chunk = []
+        for i in range(start, min(rows, start + 13)):
+            roll = rng.random()
+            if roll < 0.1:
+                continue  # never finished
+            if roll < 0.25:
+                chunk.append(failure(i, rng.choice(["engine_error", "media_error"])))
+            elif roll < 0.35:
+                chunk.append(answer(i, completion_flag=rng.choice(["length", "format_error"]), format_error=True))
+            else:
+                chunk.append(answer(i, f"text {i} ☃", reused=roll > 0.9))
+        rng.shuffle(chunk)
+        chunks.append(chunk)
+    reruns = [answer(i, f"rerun {i}") for i in range(rows) if rng.random() < 0.1]
+    rng.shuffle(reruns)
+    return [*chunks, reruns]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_column_wise_merge_equals_the_row_by_row_merge(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(arrow_checkpoint, "WINDOW_ROWS", 7)  # windows and input batches cut
+    monkeypatch.setattr(parquet, "MERGE_ROWS", 11)  # across each other and across shards
+    rows = 200
+    prompts = [f"question {i}" for i in range(rows)]
+    jsonl_src = write_jsonl(tmp_path / "in.jsonl", [chat_row(str(i), p) for i, p in enumerate(prompts)])
+    parquet_src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [str(i) for i in range(rows)], "prompt": prompts}), parquet_src)
+    options = JobOptions(shards=4, max_tokens=16)
+    by_line = prepare_job(jsonl_src, str(tmp_path / "out.jsonl"), options, tmp_path / "work")
+    by_column = prepare_job(parquet_src, str(tmp_path / "out.parquet"), options, tmp_path / "work")
+    chunks = outcomes_of_a_messy_run(rows, seed)
+    for chunk in chunks:
+        for job in (by_line, by_column):
+            for shard, rng in enumerate(job.manifest().shards):
+                job.record_outcomes(shard, [o for o in chunk if rng.start <= o.index < rng.stop])
+
+    line_report, column_report = merge_job(by_line), merge_job(by_column)
+    assert column_report.request_counts == line_report.request_counts
+    assert column_report.error_counts == line_report.error_counts
+    assert column_report.usage == line_report.usage
+    assert column_report.output_tokens == line_report.output_tokens
+    assert column_report.reused_answer_rows == line_report.reused_answer_rows
+    assert column_report.status == line_report.status == "stopped_early"
+
+    latest = {o.index: o for chunk in chunks for o in chunk}
+    expected = [
+        (o.key, None if o.error else o.body["choices"][0]["message"]["content"], o.error_type)  # type: ignore[index]
+        for _, o in sorted(latest.items())
+    ]
+    table = pq.read_table(result_path(by_column))
+    assert list(zip(*(table.column(c).to_pylist() for c in ("id", "output", "error_type")), strict=True)) == expected
+    lines = read_jsonl(result_path(by_line))
+    texts = [None if line["error"] else line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
+    assert list(zip([line["custom_id"] for line in lines], texts, strict=True)) == [(k, t) for k, t, _ in expected]
+
+
+def test_stored_outcomes_carry_what_the_other_readers_use(tmp_path: Path) -> None:
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"]}), src)
+    job = prepare_job(src, str(tmp_path / "out.parquet"), JobOptions(max_tokens=4), tmp_path / "work")
+    job.record_outcomes(0, [answer(0, reused=True), failure(1, "media_error")])
+    got = {o.i: o for o in JobDir(tmp_path / "work", job.job_id).outcomes(0)}
+    assert sorted(got) == [0, 1]
+    assert not got[0].failed and got[0].reused and got[0].usage.completion_tokens == 1
+    assert got[1].failed and got[1].error_type == "media_error" and got[1].status_code == 500
+    assert json.loads(json.dumps(got[1].error))["message"] == "row 1 failed"
+    assert job.finished_rows(0) == {0}
