@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import multiprocessing
+import os
+import shutil
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,6 +23,7 @@ from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
 from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 
+PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
 _timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
 
 
@@ -80,6 +86,14 @@ class _Tally:
         self.cached_prompt_tokens += _int(pc.sum(table.column("cached_prompt_tokens")))
         return table
 
+    def absorb(self, other: _Tally) -> None:
+        """Adds the counts of another part of the same job."""
+        for name, value in vars(other).items():
+            if isinstance(value, Counter):
+                getattr(self, name).update(value)
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
     @property
     def counts(self) -> RequestCounts:
         return RequestCounts(completed=self.completed, failed=self.failed, format_error_rows=self.format_error_rows)
@@ -118,12 +132,48 @@ def _value_counts(values: pa.ChunkedArray) -> dict[Any, int]:
     return dict(zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True))
 
 
-def _ordered(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[StoredOutcome]:
-    """Every finished row's latest outcome in input order, streamed shard by shard."""
+def _write_jsonl(job: JobDir, manifest: JobManifest, path: Path, tally: _Tally) -> None:
+    """Writes a JSONL job's result: a big job's shards by one process per core, each into a part
+    file that is then appended to the result in shard order; a small one's in this process."""
+    shards = range(len(manifest.shards))
+    workers = min(os.cpu_count() or 1, len(shards))
+    if manifest.total_rows < PARALLEL_MERGE_ROWS or workers < 2:
+        for shard in shards:
+            tally.absorb(_write_part(job, shard, path, append=shard > 0))
+        return
+    parts = [path.with_name(f"{path.name}.{shard}") for shard in shards]
+    try:
+        # fork: the workers need no imports, and they only read checkpoints and write their part
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            for counted in pool.map(_write_part, [job] * len(parts), shards, parts):
+                tally.absorb(counted)
+        with path.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    _copy(f, out)
+    finally:
+        for part in parts:
+            part.unlink(missing_ok=True)
+
+
+def _copy(source: BinaryIO, target: BinaryIO) -> None:
+    """Appends one file to another, inside the kernel where the filesystem allows it."""
+    left = os.fstat(source.fileno()).st_size
+    try:
+        while left:
+            left -= os.copy_file_range(source.fileno(), target.fileno(), left)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        shutil.copyfileobj(source, target, 1 << 20)
+
+
+def _write_part(job: JobDir, shard: int, path: Path, append: bool = False) -> _Tally:
+    """Writes the result lines of one shard's finished rows, in input order; returns their count."""
+    tally = _Tally()
     add = tally.add
-    for shard in range(len(manifest.shards)):
-        for outcome in job.outcomes(shard):
-            yield add(outcome)
+    jsonl.write_results(path, (add(outcome) for outcome in job.outcomes(shard)), append=append)
+    return tally
 
 
 def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[pa.Table]:
@@ -147,7 +197,7 @@ def merge_job(job: JobDir) -> JobReport:
     tally = _Tally()
     try:
         if manifest.format == "jsonl":
-            jsonl.write_results(partial, _ordered(job, manifest, tally))
+            _write_jsonl(job, manifest, partial, tally)
         else:
             answers = _answer_tables(job, manifest, tally)
             parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline import jobs
+from anex_pipeline import jobs, merge
 from anex_pipeline.formats import decode_stored_outcome, jsonl, parquet
 from anex_pipeline.jobs import JobDir, append_outcomes, latest_records, prepare_job
 from anex_pipeline.merge import merge_job, result_path
@@ -284,11 +284,17 @@ def test_repeated_ids_are_named_even_when_every_hash_collides(tmp_path: Path, mo
     assert "messages" in found[3]
 
 
-def test_a_merge_out_of_space_leaves_no_partial_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = chat_job(tmp_path, 20, shards=1)
-    append_outcomes(job.checkpoint_path(0), [answer(i, f"r{i}") for i in range(20)])
+@pytest.mark.parametrize("processes", ["one process", "one per core"])
+def test_a_merge_out_of_space_leaves_no_partial_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: str
+) -> None:
+    if processes == "one per core":
+        monkeypatch.setattr(merge, "PARALLEL_MERGE_ROWS", 0)
+    job = chat_job(tmp_path, 20, shards=2)
+    for shard, rng in enumerate(job.manifest().shards):
+        append_outcomes(job.checkpoint_path(shard), [answer(i, f"r{i}") for i in range(rng.start, rng.stop)])
 
-    def half_written(path: Path, rows: Any) -> None:
+    def half_written(path: Path, rows: Any, append: bool = False) -> None:
         path.write_text("{half a line")
         raise OSError(28, "No space left on device")
 
@@ -297,3 +303,19 @@ def test_a_merge_out_of_space_leaves_no_partial_result(tmp_path: Path, monkeypat
         merge_job(job)
     assert raised.value.filename == str(result_path(job))  # the message names the result, not a temp file
     assert sorted(p.name for p in job.root.iterdir() if "result" in p.name and p.is_file()) == []
+
+
+def test_a_big_jsonl_job_merged_by_several_processes_equals_one_merged_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = chat_job(tmp_path, 600, shards=5)
+    for shard, rng in enumerate(job.manifest().shards):  # rows of other shards are ignored by the merge
+        messy_checkpoint(job.checkpoint_path(shard), rng.stop, seed=shard)
+    alone = merge_job(job)
+    by_one = result_path(job).read_bytes()
+    monkeypatch.setattr(merge, "PARALLEL_MERGE_ROWS", 0)
+    together = merge_job(job)
+    assert result_path(job).read_bytes() == by_one
+    assert together.model_dump(exclude={"timings"}) == alone.model_dump(exclude={"timings"})
+    assert together.request_counts.failed > 0 and together.error_counts  # the messy rows were there
+    assert sorted(p.name for p in job.root.iterdir() if "result" in p.name) == [result_path(job).name]

@@ -193,7 +193,8 @@ def child(step: str, src: str, folder: str) -> None:
     out = work / ("out" + Path(src).suffix)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures = BASELINES[step](Path(src), out) if step in BASELINES else STEPS[step](Path(src), work / "work", out)
-    figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = (resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    figures["peak_rss_mb"] = max(peaks) / 1024  # the biggest process: the step's, or a worker's
     figures["imported_rss_mb"] = before
     print(json.dumps(figures))
 

@@ -358,13 +358,13 @@ def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[
             yield shard_row(line)
 
 
-def write_results(path: Path, outcomes: Iterable[StoredOutcome]) -> int:
-    """Writes one OpenAI batch output line per outcome (the stored body passes through as it is);
-    returns the number of lines."""
+def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:
+    """Writes (or with ``append``, adds) one OpenAI batch output line per outcome (the stored body
+    passes through as it is); returns the number of lines."""
     encode = msgspec.json.encode
     count = 0
     lines: list[bytes] = []
-    with path.open("wb") as f:
+    with path.open("ab" if append else "wb") as f:
         for o in outcomes:
             key = encode(o.key)[1:]  # the key as JSON without its opening quote, to follow a prefix
             lines.append(
