@@ -151,9 +151,10 @@ class JobDir:
     def requests_path(self, shard: int, kind: FileFormat) -> Path:
         return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
 
-    def checkpoint_path(self, shard: int) -> Path:
-        """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one."""
-        return self.shard_dir(shard) / CHECKPOINT_FILES[self.manifest().format]
+    def checkpoint_path(self, shard: int, manifest: JobManifest | None = None) -> Path:
+        """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one
+        (``manifest``: the job's, when the caller has read it already)."""
+        return self.shard_dir(shard) / CHECKPOINT_FILES[(manifest or self.manifest()).format]
 
     @property
     def estimate_path(self) -> Path:
@@ -175,24 +176,27 @@ class JobDir:
     def record_outcomes(self, shard: int, outcomes: Iterable[RowOutcome]) -> None:
         """Appends finished rows to the shard's checkpoint, durably."""
         manifest = self.manifest()
+        path = self.checkpoint_path(shard, manifest)
         if manifest.format == "parquet":
-            arrow_checkpoint.append(self.checkpoint_path(shard), outcomes, manifest.endpoint)
+            arrow_checkpoint.append(path, outcomes, manifest.endpoint)
         else:
-            append_outcomes(self.checkpoint_path(shard), outcomes)
+            append_outcomes(path, outcomes)
 
     def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
         """The latest outcome of each row of the shard that has one, by row order. A JSONL job's
         bodies stay the stored JSON and its checkpoint is streamed, never read whole (see
         :func:`latest_records`); a Parquet job's answers stay in :meth:`answers`."""
         manifest = self.manifest()
+        path = self.checkpoint_path(shard, manifest)
         if manifest.format == "parquet":
-            return arrow_checkpoint.stored_outcomes(self.answers(shard))
+            return arrow_checkpoint.stored_outcomes(arrow_checkpoint.latest(path, manifest.endpoint))
         rng = manifest.shards[shard]
-        return latest_records(self.checkpoint_path(shard), rng.start, rng.stop, decode_stored_outcome)
+        return latest_records(path, rng.start, rng.stop, decode_stored_outcome)
 
     def answers(self, shard: int) -> Iterator[pa.Table]:
         """A Parquet job's shard checkpoint as columns: the latest row per index, by index."""
-        return arrow_checkpoint.latest(self.checkpoint_path(shard), self.manifest().endpoint)
+        manifest = self.manifest()
+        return arrow_checkpoint.latest(self.checkpoint_path(shard, manifest), manifest.endpoint)
 
     def finished_rows(self, shard: int) -> set[int]:
         """The indices of the shard's rows whose latest outcome succeeded."""

@@ -169,7 +169,7 @@ def _copy(source: BinaryIO, target: BinaryIO) -> None:
 
 
 def _write_part(job: JobDir, shard: int, path: Path, append: bool = False) -> _Tally:
-    """Writes the result lines of one shard's finished rows, in input order; returns their count."""
+    """Writes the result lines of one shard's finished rows, in input order; returns their tally."""
     tally = _Tally()
     add = tally.add
     jsonl.write_results(path, (add(outcome) for outcome in job.outcomes(shard)), append=append)

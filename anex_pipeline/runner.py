@@ -67,6 +67,7 @@ class JobRunner:
             return self._run(job, manifest, shards)
         finally:
             self._leases.pop(job.job_id).close()
+            self._early_loads.discard(job.job_id)  # a later run of the job may load ahead again
 
     def _run(self, job: JobDir, manifest: JobManifest, shards: Sequence[int] | None) -> JobReport:
         self._register(job)

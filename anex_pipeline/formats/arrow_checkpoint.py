@@ -62,9 +62,10 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
     path.parent.mkdir(parents=True, exist_ok=True)
     message = memoryview(_batch(rows, endpoint).serialize())
     with path.open("ab", buffering=0) as f:
-        start = _good_end(path, os.fstat(f.fileno()))
+        found = os.fstat(f.fileno())
+        start = _good_end(path, found)
         try:
-            if start < os.fstat(f.fileno()).st_size:
+            if start < found.st_size:
                 f.truncate(start)
             if start == 0:
                 message = memoryview(schema(endpoint).serialize().to_pybytes() + message)
@@ -121,9 +122,9 @@ def _value(o: RowOutcome, endpoint: Endpoint) -> Any:
 
 def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterator[pa.Table]:
     """The last row written for each row index, by ascending index, in tables of at most
-    ``window`` rows (default ``WINDOW_ROWS``). The file is memory-mapped, not read: what is copied is the row indices
-    (8 bytes a row), the order to take them in when the file is not in order (8 more), and one
-    window at a time."""
+    ``window`` rows (default ``WINDOW_ROWS``). The file is memory-mapped, not read: what is
+    copied is the row indices (8 bytes a row), the order to take them in when the file is not in
+    order (8 more), and one window at a time."""
     window = window or WINDOW_ROWS
     table = pa.Table.from_batches(list(whole_batches(path)), schema=schema(endpoint))
     indices = table.column("i").to_numpy()
@@ -144,9 +145,7 @@ def whole_batches(path: Path) -> Iterator[pa.RecordBatch]:
         reader = pa.ipc.open_stream(pa.memory_map(str(path)))
         while True:
             yield reader.read_next_batch()
-    except StopIteration:
-        return
-    except _READ_ERRORS:  # a torn last message: what came before it stands
+    except (StopIteration, *_READ_ERRORS):  # the end, or a torn last message: what came before it stands
         return
 
 
