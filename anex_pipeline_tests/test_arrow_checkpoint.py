@@ -167,3 +167,34 @@ def test_stored_outcomes_carry_what_the_other_readers_use(tmp_path: Path) -> Non
     assert got[1].failed and got[1].error_type == "media_error" and got[1].status_code == 500
     assert json.loads(json.dumps(got[1].error))["message"] == "row 1 failed"
     assert job.finished_rows(0) == {0}
+
+
+_POOLS: list[pa.MemoryPool] = []
+
+
+def parquet_merge_peak(tmp_path: Path, rows: int) -> int:
+    """Arrow's peak allocation while merging a one-shard Parquet job of ``rows`` rows, whose
+    checkpoint was written in reruns (out of order, so the merge sorts it)."""
+    src = tmp_path / f"in-{rows}.parquet"
+    pq.write_table(pa.table({"prompt": [f"question {i}" for i in range(rows)]}), src, row_group_size=2048)
+    job = prepare_job(src, str(tmp_path / f"out-{rows}.parquet"), JobOptions(shards=1, max_tokens=4), tmp_path / "w")
+    for start in range(0, rows, 1000):
+        job.record_outcomes(0, [answer(i, f"a longer answer for row {i} " * 4) for i in range(start, start + 1000)])
+    job.record_outcomes(0, [answer(i, "rerun") for i in range(0, rows, 97)])
+    pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    _POOLS.append(pool)  # buffers made from it may outlive this call: the pool must too
+    previous = pa.default_memory_pool()
+    pa.set_memory_pool(pool)
+    try:
+        report = merge_job(job)
+    finally:
+        pa.set_memory_pool(previous)
+    assert report.request_counts.completed == rows
+    return pool.max_memory()
+
+
+def test_parquet_merge_memory_does_not_grow_with_the_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arrow_checkpoint, "WINDOW_ROWS", 2048)
+    monkeypatch.setattr(parquet, "MERGE_ROWS", 2048)
+    small, big = parquet_merge_peak(tmp_path, 8_000), parquet_merge_peak(tmp_path, 64_000)
+    assert big < small * 1.5, (small, big)  # 8 times the rows

@@ -128,13 +128,25 @@ def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterato
     window = window or WINDOW_ROWS
     table = pa.Table.from_batches(list(whole_batches(path)), schema=schema(endpoint))
     indices = table.column("i").to_numpy()
-    order = None
-    if not (np.diff(indices) > 0).all():  # not simply appended in order, once each
-        order = np.argsort(indices, kind="stable")  # equal indices keep their order of writing
-        ordered = indices[order]
-        order = order[np.append(ordered[1:] != ordered[:-1], True)]
-    for start in range(0, table.num_rows if order is None else len(order), window):
-        yield table.slice(start, window) if order is None else table.take(pa.array(order[start : start + window]))
+    if (np.diff(indices) > 0).all():  # simply appended in order, once each
+        for start in range(0, table.num_rows, window):
+            yield table.slice(start, window)
+        return
+    order = np.argsort(indices, kind="stable")  # equal indices keep their order of writing
+    ordered = indices[order]
+    order = order[np.append(ordered[1:] != ordered[:-1], True)]
+    for start in range(0, len(order), window):
+        yield _gather(table, order[start : start + window])
+
+
+def _gather(table: pa.Table, positions: np.ndarray) -> pa.Table:
+    """The table's rows at ``positions``, in that order, copying only those rows: each run of
+    consecutive positions is a slice, and the slices are joined once. (Arrow's take over a table
+    of many batches would first copy every batch into one array.)"""
+    firsts = np.append(0, np.flatnonzero(np.diff(positions) != 1) + 1)
+    lengths = np.diff(np.append(firsts, len(positions)))
+    runs = [table.slice(positions[first], length) for first, length in zip(firsts, lengths, strict=True)]
+    return pa.concat_tables(runs).combine_chunks()
 
 
 def whole_batches(path: Path) -> Iterator[pa.RecordBatch]:
