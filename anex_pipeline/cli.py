@@ -42,6 +42,33 @@ BOOL_FLAGS = [
 ]
 
 
+# What each job flag does, for --help: whether it is a cap or a default, and what happens when it is absent.
+FLAG_HELP: dict[str, str] = {
+    "model": "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct; "
+    "all-MiniLM-L6-v2 for embeddings)",
+    "endpoint": "chat, completions or embeddings (default: from the rows' url, else chat)",
+    "reasoning_budget": "thinking tokens a row may use before its trace is closed; 0 = no cap "
+    "(default: estimated from a sample for reasoning models)",
+    "max_tokens": "output-token cap for every row that sets none of its own (a row's own max_tokens wins); "
+    "default: estimated from a generated sample, reported as estimate.max_tokens",
+    "reasoning_parser": "name of vLLM's reasoning parser (default: chosen from the model)",
+    "tool_parser": "name of vLLM's tool-call parser (default: chosen from the model)",
+    "shards": "how many shards (Dagster partitions) the rows are split into (default: by size)",
+    "temperature": "default for rows that set none (default: the model's)",
+    "top_p": "default for rows that set none (default: the model's)",
+    "top_k": "default for rows that set none (default: the model's)",
+    "seed": "default for rows that set none; with it, sampled rows are reproducible",
+    "prompt_column": "Parquet column holding the prompt (default: messages, prompt, input or text)",
+    "system_prompt": "system message put before every Parquet row's prompt",
+    "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
+}
+BOOL_HELP: dict[str, str] = {
+    "reasoning": "switch thinking on or off for models that have it (default: the model's own)",
+    "parse_thinking": "put the thinking trace in message.reasoning_content (default: on where the model has a parser)",
+    "parse_tool_calls": "put tool calls in message.tool_calls (default: on where the model has a parser)",
+}
+
+
 class UsageError(Exception):
     """A mistake in the command line or the options file."""
 
@@ -50,9 +77,9 @@ def _add_option_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job options (override the options file)")
     g.add_argument("--options", metavar="FILE", help="JSON file of job options; default: <input>.job.json if present")
     for flag, name, kind in OPTION_FLAGS:
-        g.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper())
+        g.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper(), help=FLAG_HELP[name])
     for flag, name in BOOL_FLAGS:
-        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=BOOL_HELP[name])
     g.add_argument("--response-format", metavar="JSON", help='e.g. \'{"type":"json_object"}\' or @schema.json')
     g.add_argument(
         "--media-allowed-host", action="append", default=None, metavar="HOST", help="allow media from HOST (repeatable)"
@@ -64,8 +91,8 @@ def _add_option_flags(p: argparse.ArgumentParser) -> None:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-model-len", type=int, default=4096, help="context length of the engine (default: 4096)")
+    g.add_argument("--dtype", default="auto", help="weights' dtype: auto, float32, bfloat16, ... (default: auto)")
     g.add_argument("--memory-share", type=float, default=None, help="gpu_memory_utilization (CPU: share of RAM)")
     g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
     g.add_argument(
@@ -75,11 +102,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here",
     )
     g.add_argument("--api-key", default=None, help="bearer token for --base-url; default: $ANEX_API_KEY")
-    g.add_argument("--max-concurrency", type=int, default=32, help="with --base-url: requests in flight at once")
+    g.add_argument(
+        "--max-concurrency", type=int, default=32, help="with --base-url: requests in flight at once (default: 32)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="anex-pipeline", description="Offline batch LLM jobs on vLLM and Dagster.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a job end to end and print its report")
@@ -120,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _engine_flags(srv)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("anex-pipeline")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def collect_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def _sample_and_bound(
         lengths = [o.usage.get("completion_tokens", 0) for o in done]
         cut = sum(1 for o in done if o.completion_flag == "length")
         report.max_tokens, method = _bound(lengths, cut, cap, "sample rows succeeded; no cap beyond the context")
-        methods.append(f"max_tokens: {method}")
+        methods.append(f"max_tokens: {method} (the cap of every row that sets none)")
         if lengths:
             stats.update({"sample_max": max(lengths), "sample_median": sorted(lengths)[len(lengths) // 2]})
             stats["sample_lengths"] = json.dumps(sorted(lengths))  # type: ignore[assignment]

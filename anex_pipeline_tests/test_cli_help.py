@@ -1,0 +1,39 @@
+"""The command's own help: every job flag says what it does and what happens without it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from anex_pipeline import cli
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"anex-pipeline {version('anex-pipeline')}"
+
+
+def test_every_job_flag_has_help_that_names_its_default() -> None:
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    run = commands.choices["run"]
+    flags = {opt: action for action in run._actions for opt in action.option_strings}
+    for flag, _, _ in cli.OPTION_FLAGS:
+        assert flags[flag].help, f"{flag} has no help"
+    for flag, _ in cli.BOOL_FLAGS:
+        assert flags[flag].help, f"{flag} has no help"
+    # max_tokens is a cap for rows without their own, estimated when unset: the help says both
+    assert "cap" in flags["--max-tokens"].help and "estimated" in flags["--max-tokens"].help
+
+
+def test_run_help_is_printed_by_the_installed_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "anex_pipeline.cli", "run", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "--max-tokens" in out and "default: estimated from a generated sample" in " ".join(out.split())
