@@ -1,4 +1,4 @@
-"""Output-length estimation (SPEC section 8): a seeded sample of the job's rows is generated under
+"""Output-length estimation: a seeded sample of the job's rows is generated under
 the same settings as the real run with a generous cap, and the cap in force becomes an upper 95%
 confidence bound on the 95th percentile of the sample's lengths. For a model that thinks, the
 thinking budget is bounded the same way from the sample's thinking-token counts.

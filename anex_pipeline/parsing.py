@@ -1,4 +1,4 @@
-"""Thinking and tool calls in generated chat text (SPEC section 6), through vLLM's own parsers.
+"""Thinking and tool calls in generated chat text, through vLLM's own parsers.
 
 Three things live here:
 

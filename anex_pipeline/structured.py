@@ -1,4 +1,4 @@
-"""The check every constrained answer goes through after generation (SPEC section 5).
+"""The check every constrained answer goes through after generation.
 
 Generation is already constrained by vLLM's structured outputs; this is the second line: the
 answer must be exactly one JSON object (no array, bare value, surrounding text or code fence)

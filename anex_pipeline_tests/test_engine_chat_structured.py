@@ -1,4 +1,4 @@
-"""Structured outputs on the real engine: constrained generation, then the JSON check (SPEC section 5)."""
+"""Structured outputs on the real engine: constrained generation, then the JSON check."""
 
 from __future__ import annotations
 

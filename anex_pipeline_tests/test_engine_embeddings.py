@@ -1,4 +1,4 @@
-"""Embedding jobs on the real engine with the embedded all-MiniLM-L6-v2 (SPEC section 9)."""
+"""Embedding jobs on the real engine with the embedded all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Thinking through the real engine and the real pipeline (SPEC section 6), on a tiny random Qwen3
+"""Thinking through the real engine and the real pipeline, on a tiny random Qwen3
 built offline (see tiny_models.py).
 
 Its text is noise, so the tests steer it: the chat template opens <think> in the generation

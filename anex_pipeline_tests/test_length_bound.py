@@ -1,4 +1,4 @@
-"""The estimate's bound really covers the 95th percentile 95% of the time (SPEC section 8)."""
+"""The estimate's bound really covers the 95th percentile 95% of the time."""
 
 from __future__ import annotations
 

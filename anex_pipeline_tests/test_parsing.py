@@ -1,4 +1,4 @@
-"""Thinking and tool-call parsing without an engine (SPEC section 6): which of vLLM's parsers a
+"""Thinking and tool-call parsing without an engine: which of vLLM's parsers a
 model gets, how each family's exact output shapes split into answer, reasoning and tool calls,
 how thinking tokens are counted, and how the thinking budget is estimated from a sample."""
 

@@ -29,7 +29,7 @@ progress_log = logging.getLogger("anex_pipeline.progress")
 
 
 class JobOptionsConfig(dg.PermissiveConfig):
-    """Job options by name (SPEC section 2), e.g. max_tokens: 256; checked when the job is submitted."""
+    """Job options by name, as in an options file (e.g. max_tokens: 256); checked at submit."""
 
 
 class JobSubmission(dg.Config):
@@ -38,7 +38,9 @@ class JobSubmission(dg.Config):
     input: str = Field(default="", description="Input file: a local path or s3://bucket/key (JSONL or Parquet).")
     output: str = Field(default="", description="Result file: a local path or s3:// URI, same format as the input.")
     report: str = Field(default="", description="Report path; default: beside the result as <name>.report.json.")
-    options: JobOptionsConfig = Field(default_factory=JobOptionsConfig, description="Job options (SPEC section 2).")
+    options: JobOptionsConfig = Field(
+        default_factory=JobOptionsConfig, description="Job options by name, as in an options file."
+    )
 
 
 def _job(context: dg.AssetExecutionContext, storage: StorageResource) -> JobDir:
@@ -118,7 +120,7 @@ def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -
     group_name=GROUP,
     kinds={"vllm"},
     pool="gpu",
-    description="Sets max_tokens from a generated sample when the job does not set it (SPEC section 8).",
+    description="Sets max_tokens from a generated sample when the job does not set it.",
 )
 def length_estimate(
     context: dg.AssetExecutionContext, storage: StorageResource, engine: EngineResource
