@@ -135,16 +135,19 @@ def _bound(lengths: list[int], cut: int, cap: int | None, too_few: str) -> tuple
 
 
 def reusable_samples(job: JobDir, estimate: EstimateReport, start: int, stop: int) -> dict[int, RowOutcome]:
-    """Sample answers in rows [start, stop) that the real run would produce unchanged: finished
-    (not cut at the sample's cap) within the cap and under the thinking budget now in force."""
+    """Sample answers in rows [start, stop) that stand as the real run's answers: within the cap now
+    in force and under the thinking budget. An answer cut at the sample's cap is one too when that
+    cap is the one in force (the estimate falls back to the sample's cap whenever an answer was
+    cut): the real run would stop at the same token, so generating it again buys nothing."""
     if not job.sample_path.exists():
         return {}
+    cap = estimate.max_tokens if estimate.max_tokens is not None else job.manifest().job_options().max_tokens
     return {
         i: o
         for i, o in read_outcomes(job.sample_path).items()
         if start <= i < stop
         and o.ok
-        and o.completion_flag != "length"
-        and (estimate.max_tokens is None or o.usage.get("completion_tokens", 0) <= estimate.max_tokens)
+        and (o.completion_flag != "length" or cap is not None)
+        and (cap is None or o.usage.get("completion_tokens", 0) <= cap)
         and (estimate.reasoning_budget is None or o.usage.get("reasoning_tokens", 0) < estimate.reasoning_budget)
     }

@@ -14,6 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.estimate import estimate_lengths
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource, shared_fake_engine
@@ -104,6 +105,22 @@ def test_estimate_sets_the_cap_and_its_sample_is_reused(tmp_path: Path, fake_run
     assert report.estimate.sample_size == 100 and report.estimate.max_tokens is not None
     assert "order-statistic" in report.estimate.method
     assert len(engine.seen) - before == 150  # 100 sampled rows reused, 50 generated once
+
+
+def test_sample_answers_cut_at_the_cap_in_force_are_not_generated_again(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """A Parquet job the sample covers whole, with answers longer than the sample's cap: the cap
+    in force is the sample's own, so every cut answer is the row's answer and none is generated again."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"tell me about item {i}" for i in range(50)]}), src)
+    job = fake_runner.submit(str(src), str(tmp_path / "o.parquet"), {"estimate_sample_size": 64})
+    engine = shared_fake_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
+    estimate, _ = estimate_lengths(job, lambda: engine, cap=4)  # the fake's answers are longer than 4 words
+    assert estimate.max_tokens == 4 and estimate.sample_size == 50
+    before = len(engine.seen)
+    report = fake_runner.run(job)
+    assert len(engine.seen) == before  # no row generated twice
+    assert report.request_counts.completed == 50
+    assert pq.read_table(tmp_path / "o.parquet").column("error_type").to_pylist() == ["length"] * 50
 
 
 def test_backfill_command_reruns_only_unfinished_shards(
