@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,38 +225,34 @@ def _instance() -> Any:
     return dg.DagsterInstance.get()
 
 
-class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever sys.stderr is at the time of the record (it may be swapped, as in tests)."""
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _: Any) -> None:
-        pass
-
-
 def _progress_logging(quiet: bool) -> None:
-    progress = logging.getLogger("anex_pipeline.progress")
-    if not any(isinstance(h, _CurrentStderr) for h in progress.handlers):
-        handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("[anex] %(message)s"))
-        progress.addHandler(handler)
+    """Our lines on the terminal: progress as a bar (or plain lines when stderr is not a terminal),
+    other messages prefixed with [anex]; ``quiet`` leaves only warnings and errors."""
+    from anex_pipeline.console import PROGRESS_LOGGER, ProgressDisplay, ProgressHandler
+
+    progress = logging.getLogger(PROGRESS_LOGGER)
+    for handler in [h for h in progress.handlers if isinstance(h, ProgressHandler)]:
+        progress.removeHandler(handler)
+    progress.addHandler(ProgressHandler(None if quiet else ProgressDisplay(tty=sys.stderr.isatty())))
     progress.setLevel(logging.WARNING if quiet else logging.INFO)
     progress.propagate = False
 
 
 def _runner(args: argparse.Namespace) -> Any:
+    from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
     from anex_pipeline.defs.resources import EngineResource, StorageResource, default_work_root
     from anex_pipeline.runner import JobRunner
 
     _progress_logging(args.quiet)
-    # stdout carries the report alone: vLLM logs to stdout unless told otherwise.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     storage = StorageResource(work_root=args.work_dir or default_work_root())
+    if args.verbose or not args.own_terminal:
+        # stdout carries the report alone: vLLM logs to stdout unless told otherwise.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        log_path = Path(storage.work_root).expanduser() / "logs" / f"{args.command}-{stamp}-{os.getpid()}.log"
+        quiet_engine_output(log_path)
+        logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
     engine = EngineResource(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -404,10 +401,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
+    """Runs one command. With ``own_terminal`` (the installed command) the engine's and libraries'
+    messages go to a log file unless ``--verbose``; called from Python, stderr is left alone."""
     from anex_pipeline.spec import JobRejected
 
     args = build_parser().parse_args(argv)
+    args.own_terminal = own_terminal
     handlers = {
         "run": cmd_run,
         "validate": cmd_validate,
@@ -429,7 +429,7 @@ def entry() -> None:
     """The ``anex-pipeline`` command: :func:`main`, then an exit that skips the interpreter's
     teardown. With torch and vLLM loaded, that teardown takes seconds after everything is
     written (2.7 s measured on the 2-core build machine); the exit handlers still run."""
-    code = main()
+    code = main(own_terminal=True)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

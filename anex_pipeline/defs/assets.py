@@ -13,6 +13,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline import media
+from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.estimate import estimate_lengths
@@ -25,7 +26,7 @@ from anex_pipeline.storage import localize_input, publish
 from anex_pipeline.validate import parse_options
 
 GROUP = "batch_job"
-progress_log = logging.getLogger("anex_pipeline.progress")
+progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
 class JobOptionsConfig(dg.PermissiveConfig):
@@ -151,7 +152,8 @@ def generations(
         return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
 
     def progress(done: int, total: int) -> None:
-        progress_log.info("shard %s: %d/%d rows", shard, done, total)
+        report = ShardProgress(job.job_id, shard, done, total)
+        progress_log.info("shard %s: %d/%d rows", shard, done, total, extra={PROGRESS_FIELD: report})
         context.log.info(f"{done}/{total} rows done")
 
     try:
