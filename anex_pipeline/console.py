@@ -54,6 +54,9 @@ def quiet_engine_output(log_path: Path) -> Path:
     warnings_log = logging.getLogger("py.warnings")
     warnings_log.addHandler(logging.StreamHandler(sys.__stderr__))
     warnings_log.propagate = False
+    # Records of loggers with no handler (vLLM's, before it configures its own) end here.
+    logging.lastResort = logging.StreamHandler(sys.__stderr__)
+    logging.lastResort.setLevel(logging.WARNING)
     return log_path
 
 

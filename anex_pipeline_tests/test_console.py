@@ -60,6 +60,7 @@ def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_p
         quiet_engine_output(Path({str(log_path)!r}))
         os.write(2, b"raw write below python\\n")
         subprocess.run(["sh", "-c", "echo child process >&2"], check=True)
+        logging.getLogger("vllm.triton_utils").warning("warning before any logging set-up")
         logging.basicConfig(stream=sys.__stderr__)
         logging.getLogger("vllm").warning("engine warning")
         warnings.warn("library deprecation")
@@ -71,5 +72,6 @@ def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_p
     assert done.returncode == 0, done.stderr
     assert done.stderr == "[anex] our line\n"
     logged = log_path.read_text()
-    for chatter in ("raw write below python", "child process", "engine warning", "library deprecation"):
-        assert chatter in logged
+    chatter = ("raw write below python", "child process", "before any logging", "engine warning", "library deprecation")
+    for line in chatter:
+        assert line in logged
