@@ -1,4 +1,4 @@
-"""Media that rows reference by URL (SPEC section 7): found, downloaded once, handed over as data.
+"""Media that rows reference by URL: found, downloaded once, handed over as data.
 
 The ``fetched_media`` stage (:func:`fetch_shard`) downloads every http(s) URL of a shard into a
 disk cache keyed by URL that outlives the job, and records the rows whose media could not be
@@ -10,7 +10,13 @@ Downloads are guarded. Only http and https are fetched. Every TCP connection, in
 of a redirect (redirects are followed here, one checked hop at a time), goes to an address that
 was resolved and checked in the same step, so a host that resolves to a loopback, private,
 link-local or cloud-metadata address is refused before a byte is sent to it, unless the job's
-``media.allowed_hosts`` names it (``host`` for every port, ``host:port`` for one).
+``media.allowed_hosts`` names it (``host`` for every port, ``host:port`` for one). The same check
+runs before the cache answers, so media cached for a job that allowed a host are not handed to a
+job that does not. Each request has one deadline, ``media.timeout_s`` from its first byte sent to
+its last byte read (redirects included), and the stage stops at the job's time limit.
+
+A cache that cannot store (a full disk) does not fail rows: the bytes are kept in memory for the
+rows that need them.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ METADATA_ADDRESSES = frozenset(
     ipaddress.ip_address(a)
     for a in ("169.254.169.254", "169.254.170.2", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192")
 )
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d; :: and ::1 are not of it
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # a network's own translator: never public
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
@@ -134,12 +142,11 @@ def media_references(body: dict[str, Any]) -> list[MediaRef]:
 def address_problem(address: str) -> str | None:
     """Why connecting to this IP address is refused by default; None for a public address."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
-    if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            return address_problem(str(embedded))
+    if isinstance(ip, ipaddress.IPv6Address) and (embedded := _embedded_ipv4(ip)):
+        problems = [p for p in map(address_problem, map(str, embedded)) if p]
+        if problems:
+            return problems[0]
+        return "a local-use NAT64 address" if ip in _NAT64_LOCAL else None
     if ip in METADATA_ADDRESSES:
         return "a cloud metadata address"
     if ip.is_loopback:
@@ -148,11 +155,28 @@ def address_problem(address: str) -> str | None:
         return "the unspecified address, which reaches this machine"
     if ip.is_link_local:
         return "a link-local address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "a site-local address"
     if ip.is_private:
         return "a private address"
     if not ip.is_global or ip.is_multicast:
         return "not a public unicast address"
     return None
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address maps, embeds or tunnels to (where a connection ends up):
+    IPv4-mapped, IPv4-compatible, NAT64 (the IPv4 address in the last 32 bits), 6to4, and Teredo's
+    server and client."""
+    if ip.ipv4_mapped:
+        return [ip.ipv4_mapped]
+    if ip.sixtofour:
+        return [ip.sixtofour]
+    if ip.teredo:
+        return list(ip.teredo)
+    if (ip in _IPV4_COMPATIBLE and int(ip) > 1) or ip in _NAT64 or ip in _NAT64_LOCAL:
+        return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+    return []
 
 
 def allowed_endpoints(entries: Iterable[str]) -> frozenset[tuple[str, int | None]]:
