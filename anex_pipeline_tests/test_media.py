@@ -396,7 +396,7 @@ def test_connections_per_host_are_bounded(server: MediaServer) -> None:
         ("/missing.png", {}, 404, "the server answered 404 Not Found"),
         ("/page.html", {}, None, "it is text/html; charset=utf-8, not an image, audio or video file"),
         ("/sound.wav", {}, None, "it is audio/wav, not the image its image_url part needs"),
-        ("/trickle.png", {"timeout_s": 1.0}, None, "it did not arrive within timeout_s=1 s"),
+        ("/trickle.png", {"timeout_s": 1.0}, None, "it did not arrive within media.timeout_s=1 s"),
         ("/huge.png", {"max_bytes": 200_000}, None, "it is larger than media.max_bytes=200000; stopped reading"),
         ("/huge-declared.png", {"max_bytes": 1000}, None, "it is 1000000000 bytes, more than media.max_bytes=1000"),
     ],
@@ -531,8 +531,11 @@ def test_fetch_shard_records_failed_rows_and_counts(tmp_path: Path, server: Medi
         "urls_seen": 4,
         "fetched": 2,
         "from_cache": 0,
+        "not_cached": 0,
+        "cache_problem": "",
         "failed_urls": 2,
         "failed_by_code": {"404": 1, "none": 1},
+        "not_fetched_time_limit": 0,
         "rows_failed": 2,
         "bytes": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
         "bytes_downloaded": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
@@ -700,19 +703,21 @@ def test_a_host_that_trickles_its_headers_fails_at_the_timeout(
 def test_the_job_time_limit_holds_in_the_media_stage(
     tmp_path: Path, fake_runner: JobRunner, trickle: TrickleServer
 ) -> None:
-    rows = [media_row(f"m-{i}", image(trickle.url(f"/{i}.png"))) for i in range(40)]
-    rows += [{"custom_id": f"t-{i}", "body": {"messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
+    # Shard 0: text only, done in time. Shard 1: media on a host that never finishes answering.
+    rows = [{"custom_id": f"t-{i}", "body": {"messages": [{"role": "user", "content": "hi"}]}} for i in range(20)]
+    rows += [media_row(f"m-{i}", image(trickle.url(f"/{i}.png"))) for i in range(20)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    options = {"max_tokens": 16, "time_limit_s": 2.0, "media": {"allowed_hosts": ["127.0.0.1"], "timeout_s": 60}}
+    media = {"allowed_hosts": ["127.0.0.1"], "timeout_s": 60}
+    options = {"shards": 2, "max_tokens": 16, "time_limit_s": 2.0, "media": media}
     job = fake_runner.submit(str(src), str(out), options)
     started = time.monotonic()
     report = fake_runner.run(job)
-    assert time.monotonic() - started < 2.0 + 5  # the limit, plus the steps' own start-up
+    assert time.monotonic() - started < 2.0 + 4  # the limit, plus the steps' own start-up
     assert report.status == "stopped_early"
     assert "time limit of 2 s" in (report.failure_reason or "")
     assert report.request_counts.failed == 0  # media not fetched in time are no media errors
-    assert not any(line["error"] for line in read_jsonl(out))
+    assert [line["custom_id"] for line in read_jsonl(out)] == [f"t-{i}" for i in range(20)]
 
 
 def test_the_cache_answers_only_what_the_policy_allows(server: MediaServer, forbidden: MediaServer) -> None:
@@ -787,3 +792,17 @@ def test_media_the_cache_cannot_store_are_still_handed_over(tmp_path: Path, serv
         value = fetcher.inline_value(image_ref(url))
     assert value == "data:image/png;base64," + base64.b64encode(image_for("/img/kept.png")).decode()
     assert server.hits["/img/kept.png"] == 1
+
+
+def test_on_a_full_disk_only_media_too_large_for_memory_fail(tmp_path: Path, server: MediaServer) -> None:
+    small, large = server.url("/img/small.png"), server.url("/huge.png")
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk)
+        with MediaFetcher(allowing(server, max_bytes=64 * 2**20), disk / "media") as fetcher:
+            assert fetcher.inline_value(image_ref(small)).startswith("data:image/png;base64,")
+            with pytest.raises(MediaFetchError) as caught:
+                fetcher.fetch(large)
+    assert str(caught.value) == (
+        f"media {large} could not be fetched: it is larger than 8 MiB and the media cache {disk / 'media'} has "
+        "no room to hold it (No space left on device); free some space there or set ANEX_MEDIA_CACHE_DIR"
+    )
