@@ -635,11 +635,16 @@ def test_rate_limited_rows_fail_alone_and_the_report_counts_them(
 
 
 class TrickleServer:
-    """A loopback TCP server that answers every request with a response head sent one byte at a
-    time, 0.2 s apart, and never finished: each read is quick, the whole never comes. It gives up
-    on a connection after ``give_up_s``, so code without a deadline fails a test rather than hangs."""
+    """A loopback TCP server that answers every connection with an HTTP response head (or, for TLS,
+    a handshake record) sent one byte at a time, 0.2 s apart, and never finished: each read is
+    quick, the whole never comes. It gives up on a connection after ``give_up_s``, so code without
+    a deadline fails a test rather than hangs."""
 
-    def __init__(self, give_up_s: float = 8.0) -> None:
+    HTTP_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Padding: "
+    TLS_RECORD = b"\x16\x03\x03\x40\x00"  # a 16 KiB handshake record (a ServerHello's would be)
+
+    def __init__(self, head: bytes = HTTP_HEAD, give_up_s: float = 8.0) -> None:
+        self.head = head
         self.give_up_s = give_up_s
         self.connections = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -669,9 +674,8 @@ class TrickleServer:
     def _trickle(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             conn.recv(65536)
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Padding: "
             ends = time.monotonic() + self.give_up_s
-            for byte in itertools.chain(head, itertools.repeat(ord("a"))):
+            for byte in itertools.chain(self.head, itertools.repeat(ord("a"))):
                 if time.monotonic() > ends or self.closed.wait(0.2):
                     return
                 conn.sendall(bytes([byte]))
@@ -684,17 +688,17 @@ def trickle() -> Iterator[TrickleServer]:
     s.close()
 
 
-@pytest.mark.parametrize("via_redirect", [False, True], ids=["direct", "after-a-slow-redirect"])
-def test_a_host_that_trickles_its_headers_fails_at_the_timeout(
-    server: MediaServer, trickle: TrickleServer, via_redirect: bool
-) -> None:
-    target = trickle.url("/slow-head.png")
-    url = server.url(f"/redirect?wait=0.6&to={target}") if via_redirect else target
-    options = MediaOptions(allowed_hosts=["127.0.0.1"], timeout_s=1.5, max_retries=0)
-    started = time.monotonic()
-    with MediaFetcher(options) as fetcher, pytest.raises(MediaFetchError) as caught:
-        fetcher.fetch(url)
-    took = time.monotonic() - started
+@pytest.mark.parametrize("case", ["direct", "after-a-slow-redirect", "tls-handshake"])
+def test_a_host_that_trickles_its_headers_fails_at_the_timeout(server: MediaServer, case: str) -> None:
+    tls = case == "tls-handshake"
+    with contextlib.closing(TrickleServer(TrickleServer.TLS_RECORD if tls else TrickleServer.HTTP_HEAD)) as trickle:
+        target = trickle.url("/slow-head.png").replace("http:", "https:" if tls else "http:")
+        url = server.url(f"/redirect?wait=0.6&to={target}") if case == "after-a-slow-redirect" else target
+        options = MediaOptions(allowed_hosts=["127.0.0.1"], timeout_s=1.5, max_retries=0)
+        started = time.monotonic()
+        with MediaFetcher(options) as fetcher, pytest.raises(MediaFetchError) as caught:
+            fetcher.fetch(url)
+        took = time.monotonic() - started
     assert "it did not arrive within media.timeout_s=1.5 s" in str(caught.value)
     assert 1.4 < took < 2.2  # one deadline for the whole request, the redirect's hop included
     assert trickle.connections == 1
