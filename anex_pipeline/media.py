@@ -309,17 +309,63 @@ class _GuardedBackend(httpcore.SyncBackend):
         raise failure or httpcore.ConnectError(f"{host} has no address")
 
 
+@contextmanager
+def _httpx_errors() -> Iterator[None]:
+    """httpcore's errors as httpx's (a timeout as a timeout), as httpx's own transport raises them."""
+    try:
+        yield
+    except httpcore.TimeoutException as exc:
+        raise httpx.TimeoutException(str(exc)) from exc
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol, httpcore.ProxyError) as exc:
+        raise httpx.TransportError(str(exc)) from exc
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, stream: Iterable[bytes]):
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _httpx_errors():
+            yield from self._stream
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+
+class _GuardedTransport(httpx.BaseTransport):
+    """An httpx transport over an httpcore connection pool whose every connection is opened by the
+    guarded backend. Built from public parts only: httpx's own transport takes no network backend."""
+
+    def __init__(self, backend: _GuardedBackend):
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=TOTAL_CONNECTIONS,
+            max_keepalive_connections=TOTAL_CONNECTIONS,
+            network_backend=backend,
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = httpcore.URL(
+            scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port, target=request.url.raw_path
+        )
+        outgoing = httpcore.Request(
+            request.method, url, headers=request.headers.raw, content=request.stream, extensions=request.extensions
+        )
+        with _httpx_errors():
+            response = self._pool.handle_request(outgoing)
+        return httpx.Response(
+            response.status, headers=response.headers, stream=_Body(response.stream), extensions=response.extensions
+        )
+
+    def close(self) -> None:
+        self._pool.close()
+
+
 def _client(options: MediaOptions, backend: _GuardedBackend) -> httpx.Client:
-    transport = httpx.HTTPTransport(trust_env=False)
-    # httpx has no public setting for the network backend, so the pool it wraps is rebuilt on ours.
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(),
-        max_connections=TOTAL_CONNECTIONS,
-        max_keepalive_connections=TOTAL_CONNECTIONS,
-        network_backend=backend,
-    )
     return httpx.Client(
-        transport=transport,
+        transport=_GuardedTransport(backend),
         timeout=options.timeout_s,
         follow_redirects=False,
         trust_env=False,  # a proxy from the environment would connect on our behalf, unchecked

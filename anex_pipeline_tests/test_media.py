@@ -810,3 +810,38 @@ def test_on_a_full_disk_only_media_too_large_for_memory_fail(tmp_path: Path, ser
         f"media {large} could not be fetched: it is larger than 8 MiB and the media cache {disk / 'media'} has "
         "no room to hold it (No space left on device); free some space there or set ANEX_MEDIA_CACHE_DIR"
     )
+
+
+GUARDED_TARGETS = [
+    ("127.0.0.1:PORT", "127.0.0.1 is a loopback address"),
+    ("2130706433:PORT", "2130706433 resolves to 127.0.0.1, a loopback address"),  # decimal
+    ("017700000001:PORT", "017700000001 resolves to 127.0.0.1, a loopback address"),  # octal
+    ("0x7f.0.0.1:PORT", "0x7f.0.0.1 resolves to 127.0.0.1, a loopback address"),  # hex
+    ("0x7f000001:PORT", "0x7f000001 resolves to 127.0.0.1, a loopback address"),
+    ("127.1:PORT", "127.1 resolves to 127.0.0.1, a loopback address"),
+    ("[::ffff:127.0.0.1]:PORT", "::ffff:127.0.0.1 is a loopback address"),
+    ("[::127.0.0.1]:PORT", "::127.0.0.1 is a loopback address"),
+    ("[::1]:PORT", "::1 is a loopback address"),
+    ("10.0.0.1", "10.0.0.1 is a private address"),
+    ("169.254.10.1", "169.254.10.1 is a link-local address"),
+    ("169.254.169.254", "169.254.169.254 is a cloud metadata address"),
+    ("[::ffff:169.254.169.254]", "::ffff:169.254.169.254 is a cloud metadata address"),
+]
+
+
+@pytest.mark.parametrize("redirect", [False, True], ids=["direct", "redirect"])
+@pytest.mark.parametrize(("target", "says"), GUARDED_TARGETS, ids=[t[0] for t in GUARDED_TARGETS])
+def test_every_connection_passes_the_address_guard(
+    server: MediaServer, forbidden: MediaServer, target: str, says: str, redirect: bool
+) -> None:
+    """Redirect hops are checked only where connections are opened: this fails if the client's
+    connections stop going through the guard."""
+    hop = f"http://{target.replace('PORT', str(forbidden.port))}/img/a.png"
+    url = server.url(f"/redirect?to={hop}") if redirect else hop
+    started = time.monotonic()
+    with MediaFetcher(allowing(server, timeout_s=1.0)) as fetcher, pytest.raises(MediaFetchError) as caught:
+        fetcher.fetch(url)
+    via = f"after a redirect to {hop}, " if redirect else ""
+    assert str(caught.value).startswith(f"media {url} could not be fetched: {via}{says}")
+    assert time.monotonic() - started < 1.0
+    assert forbidden.total_hits() == 0
