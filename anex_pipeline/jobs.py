@@ -214,12 +214,20 @@ class JobDir:
 
     def out_of_time(self) -> str | None:
         """Why the job must stop now because of its time limit, or None."""
-        if not self.deadline_path.exists():
-            return None
-        deadline = json.loads(self.deadline_path.read_text())
-        if time.time() < deadline["at"]:
+        deadline = self._deadline()
+        if deadline is None or time.time() < deadline["at"]:
             return None
         return f"the job's time limit of {deadline['limit']:g} s was reached"
+
+    def time_left(self) -> float | None:
+        """Seconds until the job's time limit runs out (0 or less once it has); None without a limit."""
+        deadline = self._deadline()
+        return None if deadline is None else deadline["at"] - time.time()
+
+    def _deadline(self) -> dict[str, float] | None:
+        if not self.deadline_path.exists():
+            return None
+        return json.loads(self.deadline_path.read_text())
 
     def record_stop(self, reason: str) -> None:
         atomic_write_text(self.stop_path, json.dumps({"reason": reason, "at": time.time()}))

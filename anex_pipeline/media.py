@@ -1,4 +1,4 @@
-"""Media that rows reference by URL (SPEC section 7): found, downloaded once, handed over as data.
+"""Media that rows reference by URL: found, downloaded once, handed over as data.
 
 The ``fetched_media`` stage (:func:`fetch_shard`) downloads every http(s) URL of a shard into a
 disk cache keyed by URL that outlives the job, and records the rows whose media could not be
@@ -10,7 +10,13 @@ Downloads are guarded. Only http and https are fetched. Every TCP connection, in
 of a redirect (redirects are followed here, one checked hop at a time), goes to an address that
 was resolved and checked in the same step, so a host that resolves to a loopback, private,
 link-local or cloud-metadata address is refused before a byte is sent to it, unless the job's
-``media.allowed_hosts`` names it (``host`` for every port, ``host:port`` for one).
+``media.allowed_hosts`` names it (``host`` for every port, ``host:port`` for one). The same check
+runs before the cache answers, so media cached for a job that allowed a host are not handed to a
+job that does not. Each request has one deadline, ``media.timeout_s`` from its first byte sent to
+its last byte read (redirects included), and the stage stops at the job's time limit.
+
+A cache that cannot store (a full disk) does not fail rows: the bytes are kept in memory for the
+rows that need them.
 """
 
 from __future__ import annotations
@@ -22,16 +28,18 @@ import os
 import random
 import re
 import socket
+import sqlite3
+import ssl
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 import diskcache
@@ -59,14 +67,21 @@ BACKOFF_CAP_S = 30.0
 CACHE_SIZE_LIMIT = 20 * 2**30  # the disk cache evicts the least recently stored media beyond this
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 CLAIM_POLL_S = 0.05
+SPOOL_IN_MEMORY_BYTES = 8 * 2**20  # a download larger than this is spooled to a file in the cache folder
+# What a cache that cannot store raises: a full disk (OSError, sqlite's "disk is full" / "disk I/O
+# error") or its database locked by a write that could not finish.
+CACHE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 # Metadata services. Most live on link-local or private addresses, refused anyway; the Azure one
 # (168.63.129.16) is a public address, so the list is checked on its own.
 METADATA_ADDRESSES = frozenset(
     ipaddress.ip_address(a)
     for a in ("169.254.169.254", "169.254.170.2", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192")
 )
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d; :: and ::1 are not of it
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # a network's own translator: never public
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+T = TypeVar("T")
 
 
 def media_cache_dir() -> Path:
@@ -134,12 +149,11 @@ def media_references(body: dict[str, Any]) -> list[MediaRef]:
 def address_problem(address: str) -> str | None:
     """Why connecting to this IP address is refused by default; None for a public address."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
-    if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            return address_problem(str(embedded))
+    if isinstance(ip, ipaddress.IPv6Address) and (embedded := _embedded_ipv4(ip)):
+        problems = [p for p in map(address_problem, map(str, embedded)) if p]
+        if problems:
+            return problems[0]
+        return "a local-use NAT64 address" if ip in _NAT64_LOCAL else None
     if ip in METADATA_ADDRESSES:
         return "a cloud metadata address"
     if ip.is_loopback:
@@ -148,11 +162,28 @@ def address_problem(address: str) -> str | None:
         return "the unspecified address, which reaches this machine"
     if ip.is_link_local:
         return "a link-local address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "a site-local address"
     if ip.is_private:
         return "a private address"
     if not ip.is_global or ip.is_multicast:
         return "not a public unicast address"
     return None
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address maps, embeds or tunnels to (where a connection ends up):
+    IPv4-mapped, IPv4-compatible, NAT64 (the IPv4 address in the last 32 bits), 6to4, and Teredo's
+    server and client."""
+    if ip.ipv4_mapped:
+        return [ip.ipv4_mapped]
+    if ip.sixtofour:
+        return [ip.sixtofour]
+    if ip.teredo:
+        return list(ip.teredo)
+    if (ip in _IPV4_COMPATIBLE and int(ip) > 1) or ip in _NAT64 or ip in _NAT64_LOCAL:
+        return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+    return []
 
 
 def allowed_endpoints(entries: Iterable[str]) -> frozenset[tuple[str, int | None]]:
@@ -174,6 +205,62 @@ class _Refused(Exception):
     """A connection the address policy does not allow; nothing was sent."""
 
 
+class _OutOfTime(Exception):
+    """The job's time limit ran out before this media arrived; the media are not at fault."""
+
+
+# The monotonic time by which the current thread's request must be over (None: no deadline).
+_request_deadline = threading.local()
+
+
+@contextmanager
+def _deadline(at: float) -> Iterator[None]:
+    _request_deadline.at = at
+    try:
+        yield
+    finally:
+        _request_deadline.at = None
+
+
+def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
+    """The timeout for one network operation: the one given, cut to what is left before the current
+    request's deadline; raises ``error`` (an httpcore timeout) once the deadline has passed."""
+    at = getattr(_request_deadline, "at", None)
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        raise error("the request's deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose reads, writes and TLS handshake all end by the current request's deadline,
+    so a host that answers a byte at a time cannot stretch a request past it."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        # The handshake's timeout bounds the whole handshake (Python's ssl keeps one deadline for it).
+        limit = _time_left(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, limit))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
 class _GuardedBackend(httpcore.SyncBackend):
     """Opens TCP connections only to hosts on the allow-list or to addresses that pass the policy.
 
@@ -184,16 +271,11 @@ class _GuardedBackend(httpcore.SyncBackend):
     def __init__(self, allowed: frozenset[tuple[str, int | None]]):
         self.allowed = allowed
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
+    def addresses(self, host: str, port: int) -> list[str] | None:
+        """The checked addresses of host:port, or None when the allow-list names it (it is then
+        connected to by name). Raises _Refused, or httpcore.ConnectError when the name does not resolve."""
         if (host.lower(), port) in self.allowed or (host.lower(), None) in self.allowed:
-            return super().connect_tcp(host, port, timeout, local_address, socket_options)
+            return None
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
@@ -207,26 +289,83 @@ class _GuardedBackend(httpcore.SyncBackend):
                     f"{where}; loopback, private, link-local and cloud-metadata hosts are refused unless the "
                     "job's media.allowed_hosts names them"
                 )
+        return addresses
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
         failure: httpcore.ConnectError | None = None
-        for address in addresses:
+        for address in self.addresses(host, port) or [host]:
+            limit = _time_left(timeout, httpcore.ConnectTimeout)
             try:
-                return super().connect_tcp(address, port, timeout, local_address, socket_options)
+                return _DeadlineStream(super().connect_tcp(address, port, limit, local_address, socket_options))
             except httpcore.ConnectError as exc:
                 failure = exc
         raise failure or httpcore.ConnectError(f"{host} has no address")
 
 
-def _client(options: MediaOptions) -> httpx.Client:
-    transport = httpx.HTTPTransport(trust_env=False)
-    # httpx has no public setting for the network backend, so the pool it wraps is rebuilt on ours.
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(),
-        max_connections=TOTAL_CONNECTIONS,
-        max_keepalive_connections=TOTAL_CONNECTIONS,
-        network_backend=_GuardedBackend(allowed_endpoints(options.allowed_hosts)),
-    )
+@contextmanager
+def _httpx_errors() -> Iterator[None]:
+    """httpcore's errors as httpx's (a timeout as a timeout), as httpx's own transport raises them."""
+    try:
+        yield
+    except httpcore.TimeoutException as exc:
+        raise httpx.TimeoutException(str(exc)) from exc
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol, httpcore.ProxyError) as exc:
+        raise httpx.TransportError(str(exc)) from exc
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, stream: Iterable[bytes]):
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _httpx_errors():
+            yield from self._stream
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+
+class _GuardedTransport(httpx.BaseTransport):
+    """An httpx transport over an httpcore connection pool whose every connection is opened by the
+    guarded backend. Built from public parts only: httpx's own transport takes no network backend."""
+
+    def __init__(self, backend: _GuardedBackend):
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=TOTAL_CONNECTIONS,
+            max_keepalive_connections=TOTAL_CONNECTIONS,
+            network_backend=backend,
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = httpcore.URL(
+            scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port, target=request.url.raw_path
+        )
+        outgoing = httpcore.Request(
+            request.method, url, headers=request.headers.raw, content=request.stream, extensions=request.extensions
+        )
+        with _httpx_errors():
+            response = self._pool.handle_request(outgoing)
+        return httpx.Response(
+            response.status, headers=response.headers, stream=_Body(response.stream), extensions=response.extensions
+        )
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _client(options: MediaOptions, backend: _GuardedBackend) -> httpx.Client:
     return httpx.Client(
-        transport=transport,
+        transport=_GuardedTransport(backend),
         timeout=options.timeout_s,
         follow_redirects=False,
         trust_env=False,  # a proxy from the environment would connect on our behalf, unchecked
@@ -255,7 +394,7 @@ class _Retry(Exception):
 
 @dataclass(frozen=True)
 class Cached:
-    """Media in the cache: its type and size in bytes."""
+    """Fetched media: its type and size in bytes."""
 
     mime: str
     size: int
@@ -266,6 +405,8 @@ class FetchStats:
     fetched: int = 0
     from_cache: int = 0
     bytes_downloaded: int = 0
+    not_cached: int = 0  # fetched, but the cache could not store them
+    cache_problem: str = ""  # why the cache could not be used, the first time it failed
 
 
 class MediaFetcher:
@@ -273,29 +414,48 @@ class MediaFetcher:
 
     A URL is looked up or downloaded once per fetcher (failures included); across fetchers and
     processes on the machine, a claim in the cache makes one download while the others wait for it.
+    Media the cache cannot store (a full disk, a broken cache) are kept in memory for this fetcher
+    when ``hold_uncached``, else only counted. ``stop_at`` (a ``time.monotonic()`` value) is when
+    fetching must end: what has not arrived by then raises _OutOfTime, not MediaFetchError.
     """
 
-    def __init__(self, options: MediaOptions, cache_dir: Path | None = None):
+    def __init__(
+        self,
+        options: MediaOptions,
+        cache_dir: Path | None = None,
+        *,
+        stop_at: float | None = None,
+        hold_uncached: bool = True,
+    ):
         self.options = options
-        self.cache = diskcache.Cache(str(cache_dir or media_cache_dir()), size_limit=CACHE_SIZE_LIMIT)
-        self.client = _client(options)
+        self.folder = Path(cache_dir or media_cache_dir())
+        self.stop_at = stop_at
+        self.hold_uncached = hold_uncached
         self.stats = FetchStats()
+        self.backend = _GuardedBackend(allowed_endpoints(options.allowed_hosts))
+        self.client = _client(options, self.backend)
         self._lock = threading.Lock()
         self._results: dict[str, Future[Cached]] = {}
         self._encoded: dict[str, str] = {}
+        self._uncached: dict[str, bytes] = {}
         self._hosts: dict[tuple[str, str, int | None], threading.BoundedSemaphore] = {}
         # How long a claim holds when its process died mid-download: one URL's worst case.
         self._claim_s = (options.timeout_s + RETRY_AFTER_LIMIT_S) * (options.max_retries + 1 + MAX_REDIRECTS)
+        self.cache: diskcache.Cache | None = None
+        try:
+            self.cache = diskcache.Cache(str(self.folder), size_limit=CACHE_SIZE_LIMIT)
+        except CACHE_ERRORS as exc:
+            self._cache_failed(exc)
 
     def __enter__(self) -> MediaFetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.client.close()
-        self.cache.close()
+        self._cache_op(lambda cache: cache.close(), None)
 
     def fetch(self, url: str) -> Cached:
-        """The cached media for ``url``, downloaded first when needed; raises MediaFetchError."""
+        """The media at ``url``, downloaded first when needed; raises MediaFetchError."""
         with self._lock:
             future = self._results.get(url)
             owner = future is None
@@ -331,20 +491,46 @@ class MediaFetcher:
             return {"data": encoded, "format": _audio_format(cached.mime)}
         return f"data:{cached.mime};base64,{encoded}"
 
+    def _cache_op(self, op: Callable[[diskcache.Cache], T], otherwise: T) -> T:
+        """``op(cache)``, or ``otherwise`` when there is no cache or it fails (a full disk, a broken
+        database): media then bypass the cache rather than fail."""
+        if self.cache is None:
+            return otherwise
+        try:
+            return op(self.cache)
+        except CACHE_ERRORS as exc:
+            self._cache_failed(exc)
+            return otherwise
+
+    def _cache_failed(self, exc: Exception) -> None:
+        with self._lock:
+            if not self.stats.cache_problem:
+                self.stats.cache_problem = f"the media cache {self.folder} failed: {str(exc) or type(exc).__name__}"
+
     def _read(self, url: str) -> bytes:
-        handle, _ = self.cache.get(url, read=True, tag=True)
-        if handle is None:  # evicted since it was fetched
-            self._cached_or_download(url)
-            handle, _ = self.cache.get(url, read=True, tag=True)
-        with handle:
-            return handle.read()
+        for _ in range(2):
+            with self._lock:
+                held = self._uncached.get(url)
+            if held is not None:
+                return held
+            handle, _ = self._cache_op(lambda cache: cache.get(url, read=True, tag=True), (None, None))
+            if handle is not None:
+                with handle:
+                    return handle.read()
+            self._cached_or_download(url)  # evicted since it was fetched
+        raise MediaFetchError(url, "the media cache dropped it as soon as it was stored")
 
     def _lookup(self, url: str) -> Cached | None:
-        handle, mime = self.cache.get(url, read=True, tag=True)
+        """The cached media of ``url``, once every host its download went through passes the policy."""
+        handle, tag = self._cache_op(lambda cache: cache.get(url, read=True, tag=True), (None, None))
         if handle is None:
             return None
         with handle:
-            return Cached(mime, handle.seek(0, os.SEEK_END))
+            size = handle.seek(0, os.SEEK_END)
+        mime, *hops = (tag or "").split("\n")
+        for hop in hops:
+            self._check_destination(url, hop)
+        return Cached(mime, size)
 
     def _from_cache(self, url: str) -> Cached | None:
         found = self._lookup(url)
@@ -353,11 +539,29 @@ class MediaFetcher:
                 self.stats.from_cache += 1
         return found
 
+    def _check_destination(self, url: str, hop: str) -> None:
+        """Raises MediaFetchError unless the job's policy lets ``hop`` be fetched: its scheme, and its
+        host on the allow-list or resolving to allowed addresses only."""
+        _check_scheme(url, hop)
+        parts = urlsplit(hop)
+        try:
+            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+            self.backend.addresses(parts.hostname or "", port)
+        except ValueError as exc:
+            raise MediaFetchError(url, f"the URL is malformed ({exc})", hop=hop) from None
+        except (_Refused, httpcore.ConnectError) as exc:
+            raise MediaFetchError(url, str(exc), hop=hop) from None
+
     def _cached_or_download(self, url: str) -> Cached:
-        _check_scheme(url, url)
+        self._check_destination(url, url)  # the policy holds for cached media too
         found = self._from_cache(url)
         claim = ("downloading", url)
-        while found is None and not self.cache.add(claim, os.getpid(), expire=self._claim_s):
+        claimed: bool | None = None  # None: the cache cannot hold claims; download without one
+        while found is None:
+            claimed = self._cache_op(lambda cache: cache.add(claim, os.getpid(), expire=self._claim_s), None)
+            if claimed is not False:
+                break
+            self._check_time_left()
             time.sleep(CLAIM_POLL_S)  # another fetcher is downloading it
             found = self._from_cache(url)
         if found is not None:
@@ -365,48 +569,70 @@ class MediaFetcher:
         try:
             return self._from_cache(url) or self._download(url)
         finally:
-            self.cache.delete(claim)
+            if claimed:
+                self._cache_op(lambda cache: cache.delete(claim), None)
+
+    def _job_time_left(self) -> float | None:
+        return None if self.stop_at is None else self.stop_at - time.monotonic()
+
+    def _check_time_left(self) -> None:
+        left = self._job_time_left()
+        if left is not None and left <= 0:
+            raise _OutOfTime()
 
     def _download(self, url: str) -> Cached:
-        hop = url
-        for _ in range(MAX_REDIRECTS + 1):
-            _check_scheme(url, hop)
-            try:
-                result = self._attempts(url, hop)
-            except _Refused as exc:
-                raise MediaFetchError(url, str(exc), hop=hop) from None
-            if isinstance(result, Cached):
-                return result
-            hop = result
-        raise MediaFetchError(url, f"it redirected more than {MAX_REDIRECTS} times")
+        """Requests the URL, following redirects one checked hop at a time and retrying 429 and 5xx.
 
-    def _attempts(self, url: str, hop: str) -> Cached | str:
-        """Requests one hop, retrying 429 and 5xx; returns the media, or the next hop's URL."""
-        retries = self.options.max_retries
-        for attempt in range(retries + 1):
+        One attempt (a request and the redirects it leads to) has ``timeout_s`` in all; a retry
+        starts a new attempt at the hop that failed.
+        """
+        hop, hops = url, []
+        attempt = 0
+        deadline: float | None = None  # set when the attempt's first request starts
+        while True:
+            _check_scheme(url, hop)
+            self._check_time_left()
             try:
                 with self._host_slot(hop):
-                    return self._request(url, hop)
+                    if deadline is None:
+                        deadline = time.monotonic() + self.options.timeout_s
+                    result = self._request(url, hop, deadline, hops)
+            except _Refused as exc:
+                raise MediaFetchError(url, str(exc), hop=hop) from None
             except _Retry as retry:
-                wait = _retry_wait(retry.retry_after, attempt)
-                if attempt == retries:
-                    raise MediaFetchError(
-                        url,
-                        f"the server answered {retry.status} {_phrase(retry.status)} to all "
-                        f"{retries + 1} attempts (media.max_retries is {retries})",
-                        retry.status,
-                        hop,
-                    ) from None
-                if wait > RETRY_AFTER_LIMIT_S:
-                    raise MediaFetchError(
-                        url,
-                        f"the server answered {retry.status} {_phrase(retry.status)} and asked to retry after "
-                        f"{wait:.0f} s, longer than the {RETRY_AFTER_LIMIT_S:.0f} s this stage waits",
-                        retry.status,
-                        hop,
-                    ) from None
-                time.sleep(wait)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+                self._pause_before_retry(url, hop, retry, attempt)
+                attempt += 1
+                deadline = None
+                continue
+            if isinstance(result, Cached):
+                return result
+            if len(hops) == MAX_REDIRECTS:
+                raise MediaFetchError(url, f"it redirected more than {MAX_REDIRECTS} times")
+            hop = result
+            hops.append(hop)
+
+    def _pause_before_retry(self, url: str, hop: str, retry: _Retry, attempt: int) -> None:
+        """Waits as the server asked (or backs off), or raises when retrying is over."""
+        retries = self.options.max_retries
+        wait = _retry_wait(retry.retry_after, attempt)
+        if attempt == retries:
+            raise MediaFetchError(
+                url,
+                f"the server answered {retry.status} {_phrase(retry.status)} to all "
+                f"{retries + 1} attempts (media.max_retries is {retries})",
+                retry.status,
+                hop,
+            ) from None
+        if wait > RETRY_AFTER_LIMIT_S:
+            raise MediaFetchError(
+                url,
+                f"the server answered {retry.status} {_phrase(retry.status)} and asked to retry after "
+                f"{wait:.0f} s, longer than the {RETRY_AFTER_LIMIT_S:.0f} s this stage waits",
+                retry.status,
+                hop,
+            ) from None
+        left = self._job_time_left()
+        time.sleep(wait if left is None else max(0.0, min(wait, left)))
 
     @contextmanager
     def _host_slot(self, url: str) -> Iterator[None]:
@@ -414,13 +640,20 @@ class MediaFetcher:
         key = (parts.scheme, parts.hostname or "", parts.port)
         with self._lock:
             slot = self._hosts.setdefault(key, threading.BoundedSemaphore(self.options.per_host_connections))
-        with slot:
-            yield
-
-    def _request(self, url: str, hop: str) -> Cached | str:
-        started = time.monotonic()
+        left = self._job_time_left()
+        if not slot.acquire(timeout=None if left is None else max(0.0, left)):
+            raise _OutOfTime()
         try:
-            with self.client.stream("GET", hop) as response:
+            yield
+        finally:
+            slot.release()
+
+    def _request(self, url: str, hop: str, deadline: float, hops: list[str]) -> Cached | str:
+        """One request, over by the attempt's deadline (or the job's stop, if sooner); returns the
+        media, or the URL it redirects to."""
+        at = deadline if self.stop_at is None else min(deadline, self.stop_at)
+        try:
+            with _deadline(at), self.client.stream("GET", hop) as response:
                 status = response.status_code
                 if status in REDIRECT_CODES and "location" in response.headers:
                     return urljoin(hop, response.headers["location"])
@@ -428,15 +661,18 @@ class MediaFetcher:
                     raise _Retry(status, response.headers.get("retry-after"))
                 if not response.is_success:
                     raise MediaFetchError(url, f"the server answered {status} {_phrase(status)}", status, hop)
-                return self._store(url, hop, response, started)
+                return self._store(url, hop, response, hops)
         except httpx.TimeoutException:
-            raise MediaFetchError(url, f"no answer within timeout_s={self.options.timeout_s:g} s", hop=hop) from None
+            self._check_time_left()
+            timeout = self.options.timeout_s
+            raise MediaFetchError(url, f"it did not arrive within media.timeout_s={timeout:g} s", hop=hop) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise MediaFetchError(url, f"the transfer failed: {exc}", hop=hop) from None
 
-    def _store(self, url: str, hop: str, response: httpx.Response, started: float) -> Cached:
-        """Streams the body into the cache, stopping as soon as it breaks the size or time limit."""
-        limit, timeout = self.options.max_bytes, self.options.timeout_s
+    def _store(self, url: str, hop: str, response: httpx.Response, hops: list[str]) -> Cached:
+        """Reads the body, stopping as soon as it breaks the size limit, and stores it in the cache
+        (with the hops it came through), or in memory when the cache cannot take it."""
+        limit = self.options.max_bytes
         mime = _media_type(response.headers.get("content-type"), hop)
         if mime is None:
             stated = response.headers.get("content-type") or "of no stated type"
@@ -445,19 +681,34 @@ class MediaFetcher:
         if declared.isdigit() and int(declared) > limit:
             raise MediaFetchError(url, f"it is {declared} bytes, more than media.max_bytes={limit}", hop=hop)
         size = 0
-        with tempfile.TemporaryFile(dir=self.cache.directory) as spool:
+        spool_dir = str(self.folder) if self.folder.is_dir() else None
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES, dir=spool_dir) as spool:
             for chunk in response.iter_bytes():  # as they arrive: a chunk size would wait to fill it
                 size += len(chunk)
                 if size > limit:
                     raise MediaFetchError(url, f"it is larger than media.max_bytes={limit}; stopped reading", hop=hop)
-                if time.monotonic() - started > timeout:
-                    raise MediaFetchError(url, f"it did not arrive within timeout_s={timeout:g} s", hop=hop)
-                spool.write(chunk)
+                try:
+                    spool.write(chunk)
+                except OSError as exc:  # a large download, and no room on the cache's disk to spool it
+                    raise MediaFetchError(
+                        url,
+                        f"it is larger than {SPOOL_IN_MEMORY_BYTES // 2**20} MiB and the media cache {self.folder} has "
+                        f"no room to hold it ({exc.strerror}); free some space there or set ANEX_MEDIA_CACHE_DIR",
+                        hop=hop,
+                    ) from None
             spool.seek(0)
-            self.cache.set(url, spool, read=True, tag=mime)
+            tag = "\n".join([mime, *hops])
+            stored = self._cache_op(lambda cache: cache.set(url, spool, read=True, tag=tag), False)
+            held = None
+            if not stored and self.hold_uncached:
+                spool.seek(0)
+                held = spool.read()
         with self._lock:
             self.stats.fetched += 1
             self.stats.bytes_downloaded += size
+            self.stats.not_cached += int(not stored)
+            if held is not None:
+                self._uncached[url] = held
         return Cached(mime, size)
 
 
@@ -524,8 +775,9 @@ def _first_failure(fetcher: MediaFetcher, row: InputRow, refs: Sequence[MediaRef
 def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path | None = None) -> dict[str, Any]:
     """Downloads the media of the shard's unfinished rows and records the rows whose media failed.
 
-    Returns the materialization metadata: URLs seen, fetched, served from cache, failed by code,
-    and bytes.
+    Fetching stops when the job's time limit runs out; the media not fetched by then fail no row
+    (generation then stops the job, as it does whenever the time is up). Returns the
+    materialization metadata: URLs seen, fetched, served from cache, failed by code, and bytes.
     """
     started = time.monotonic()
     finished = job.finished_rows(shard)
@@ -541,18 +793,27 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
     failures: list[RowOutcome] = []
     codes: Counter[str] = Counter()
     stats = FetchStats()
-    media_bytes = 0
+    media_bytes = out_of_time = 0
     if urls:
-        with MediaFetcher(options, cache_dir) as fetcher, ThreadPoolExecutor(TOTAL_CONNECTIONS) as pool:
+        left = job.time_left()
+        stop_at = None if left is None else time.monotonic() + left
+        # The stage only fills the cache; what the cache cannot store, generation fetches again.
+        with (
+            MediaFetcher(options, cache_dir, stop_at=stop_at, hold_uncached=False) as fetcher,
+            ThreadPoolExecutor(TOTAL_CONNECTIONS) as pool,
+        ):
             for future in [pool.submit(fetcher.fetch, url) for url in urls]:
                 error = future.exception()
-                if isinstance(error, MediaFetchError):
+                if isinstance(error, _OutOfTime):
+                    out_of_time += 1
+                elif isinstance(error, MediaFetchError):
                     codes[str(error.status or "none")] += 1
                 elif error is not None:
                     raise error
                 else:
                     media_bytes += future.result().size
-            failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
+            if not out_of_time:
+                failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
             stats = fetcher.stats
     path = media_failures_path(job, shard)
     path.unlink(missing_ok=True)
@@ -564,8 +825,11 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
         "urls_seen": len(urls),
         "fetched": stats.fetched,
         "from_cache": stats.from_cache,
+        "not_cached": stats.not_cached,
+        "cache_problem": stats.cache_problem,
         "failed_urls": sum(codes.values()),
         "failed_by_code": dict(codes),
+        "not_fetched_time_limit": out_of_time,
         "rows_failed": len(failures),
         "bytes": media_bytes,
         "bytes_downloaded": stats.bytes_downloaded,

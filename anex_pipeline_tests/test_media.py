@@ -6,8 +6,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import errno
 import io
+import itertools
+import os
+import socket
 import struct
+import subprocess
 import threading
 import time
 import wave
@@ -174,6 +179,7 @@ class MediaServer:
             else:
                 self._send(req, 200, image_for(path), "image/png")
         elif path == "/redirect":
+            time.sleep(float(query.get("wait", 0)))
             self._send(req, 302, headers={"Location": query["to"]})
         elif path == "/trickle.png":  # 100 bytes every 0.2 s: each read is quick, the whole is slow
             req.send_response(200)
@@ -260,6 +266,17 @@ def image_ref(url: str) -> MediaRef:
         ("169.254.10.1", "a link-local address"),
         ("fe80::1%eth0", "a link-local address"),
         ("64:ff9b::a9fe:a9fe", "a cloud metadata address"),
+        ("64:ff9b::808:808", None),  # NAT64 of a public address
+        ("64:ff9b:1::a9fe:a9fe", "a cloud metadata address"),
+        ("64:ff9b:1::808:808", "a local-use NAT64 address"),
+        ("::127.0.0.1", "a loopback address"),  # IPv4-compatible
+        ("::169.254.169.254", "a cloud metadata address"),
+        ("::ffff:10.0.0.1", "a private address"),
+        ("2002:a9fe:a9fe::1", "a cloud metadata address"),  # 6to4
+        ("2002:a00:1::1", "a private address"),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "a loopback address"),  # Teredo, client 127.0.0.1
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "a private address"),  # Teredo, client 192.0.2.45
+        ("fec0::1", "a site-local address"),
         ("0.0.0.0", "the unspecified address, which reaches this machine"),
         ("::", "the unspecified address, which reaches this machine"),
         ("0.1.2.3", "a private address"),
@@ -379,7 +396,7 @@ def test_connections_per_host_are_bounded(server: MediaServer) -> None:
         ("/missing.png", {}, 404, "the server answered 404 Not Found"),
         ("/page.html", {}, None, "it is text/html; charset=utf-8, not an image, audio or video file"),
         ("/sound.wav", {}, None, "it is audio/wav, not the image its image_url part needs"),
-        ("/trickle.png", {"timeout_s": 1.0}, None, "it did not arrive within timeout_s=1 s"),
+        ("/trickle.png", {"timeout_s": 1.0}, None, "it did not arrive within media.timeout_s=1 s"),
         ("/huge.png", {"max_bytes": 200_000}, None, "it is larger than media.max_bytes=200000; stopped reading"),
         ("/huge-declared.png", {"max_bytes": 1000}, None, "it is 1000000000 bytes, more than media.max_bytes=1000"),
     ],
@@ -437,6 +454,7 @@ REFUSED_CASES: list[tuple[str, Callable[[MediaServer, MediaServer], str], str]] 
     ("private", lambda s, f: "http://10.0.0.1/a.png", "10.0.0.1 is a private address"),
     ("loopback", lambda s, f: f.url("/img/a.png"), "127.0.0.1 is a loopback address"),
     ("loopback-v6", lambda s, f: f"http://[::1]:{f.port}/img/a.png", "::1 is a loopback address"),
+    ("loopback-v4-compat", lambda s, f: f"http://[::127.0.0.1]:{f.port}/a.png", "::127.0.0.1 is a loopback address"),
     ("localhost", lambda s, f: f"http://localhost:{f.port}/img/a.png", "localhost resolves to 127.0.0.1, a loopback"),
     ("file", lambda s, f: "file:///etc/passwd", "only http and https URLs are fetched, not file: URLs"),
     ("ftp", lambda s, f: "ftp://files.example.com/a.png", "only http and https URLs are fetched, not ftp: URLs"),
@@ -513,8 +531,11 @@ def test_fetch_shard_records_failed_rows_and_counts(tmp_path: Path, server: Medi
         "urls_seen": 4,
         "fetched": 2,
         "from_cache": 0,
+        "not_cached": 0,
+        "cache_problem": "",
         "failed_urls": 2,
         "failed_by_code": {"404": 1, "none": 1},
+        "not_fetched_time_limit": 0,
         "rows_failed": 2,
         "bytes": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
         "bytes_downloaded": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
@@ -608,3 +629,219 @@ def test_rate_limited_rows_fail_alone_and_the_report_counts_them(
     }
     assert report.error_counts == {"media_fetch_error": len(expected)}
     assert server.hits["/always-429.png"] == 2 * 2  # max_retries + 1 attempts, once per shard
+
+
+# -- hostile hosts, a cache that must not leak, a full disk ---------------------------------------
+
+
+class TrickleServer:
+    """A loopback TCP server that answers every connection with an HTTP response head (or, for TLS,
+    a handshake record) sent one byte at a time, 0.2 s apart, and never finished: each read is
+    quick, the whole never comes. It gives up on a connection after ``give_up_s``, so code without
+    a deadline fails a test rather than hangs."""
+
+    HTTP_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Padding: "
+    TLS_RECORD = b"\x16\x03\x03\x40\x00"  # a 16 KiB handshake record (a ServerHello's would be)
+
+    def __init__(self, head: bytes = HTTP_HEAD, give_up_s: float = 8.0) -> None:
+        self.head = head
+        self.give_up_s = give_up_s
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            ends = time.monotonic() + self.give_up_s
+            for byte in itertools.chain(self.head, itertools.repeat(ord("a"))):
+                if time.monotonic() > ends or self.closed.wait(0.2):
+                    return
+                conn.sendall(bytes([byte]))
+
+
+@pytest.fixture
+def trickle() -> Iterator[TrickleServer]:
+    s = TrickleServer()
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("case", ["direct", "after-a-slow-redirect", "tls-handshake"])
+def test_a_host_that_trickles_its_headers_fails_at_the_timeout(server: MediaServer, case: str) -> None:
+    tls = case == "tls-handshake"
+    with contextlib.closing(TrickleServer(TrickleServer.TLS_RECORD if tls else TrickleServer.HTTP_HEAD)) as trickle:
+        target = trickle.url("/slow-head.png").replace("http:", "https:" if tls else "http:")
+        url = server.url(f"/redirect?wait=0.6&to={target}") if case == "after-a-slow-redirect" else target
+        options = MediaOptions(allowed_hosts=["127.0.0.1"], timeout_s=1.5, max_retries=0)
+        started = time.monotonic()
+        with MediaFetcher(options) as fetcher, pytest.raises(MediaFetchError) as caught:
+            fetcher.fetch(url)
+        took = time.monotonic() - started
+    assert "it did not arrive within media.timeout_s=1.5 s" in str(caught.value)
+    assert 1.4 < took < 2.2  # one deadline for the whole request, the redirect's hop included
+    assert trickle.connections == 1
+
+
+def test_the_job_time_limit_holds_in_the_media_stage(
+    tmp_path: Path, fake_runner: JobRunner, trickle: TrickleServer
+) -> None:
+    # Shard 0: text only, done in time. Shard 1: media on a host that never finishes answering.
+    rows = [{"custom_id": f"t-{i}", "body": {"messages": [{"role": "user", "content": "hi"}]}} for i in range(20)]
+    rows += [media_row(f"m-{i}", image(trickle.url(f"/{i}.png"))) for i in range(20)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    media = {"allowed_hosts": ["127.0.0.1"], "timeout_s": 60}
+    options = {"shards": 2, "max_tokens": 16, "time_limit_s": 2.0, "media": media}
+    job = fake_runner.submit(str(src), str(out), options)
+    started = time.monotonic()
+    report = fake_runner.run(job)
+    assert time.monotonic() - started < 2.0 + 4  # the limit, plus the steps' own start-up
+    assert report.status == "stopped_early"
+    assert "time limit of 2 s" in (report.failure_reason or "")
+    assert report.request_counts.failed == 0  # media not fetched in time are no media errors
+    assert [line["custom_id"] for line in read_jsonl(out)] == [f"t-{i}" for i in range(20)]
+
+
+def test_the_cache_answers_only_what_the_policy_allows(server: MediaServer, forbidden: MediaServer) -> None:
+    direct = server.url("/img/a.png")
+    redirected = server.url(f"/redirect?to={forbidden.url('/img/b.png')}")
+    both = MediaOptions(allowed_hosts=[f"127.0.0.1:{server.port}", f"127.0.0.1:{forbidden.port}"])
+    with MediaFetcher(both) as fetcher:
+        assert fetcher.fetch(direct).mime == fetcher.fetch(redirected).mime == "image/png"
+    assert server.total_hits() == 2 and forbidden.total_hits() == 1
+
+    with MediaFetcher(MediaOptions()) as fetcher, pytest.raises(MediaFetchError, match=r"127\.0\.0\.1 is a loopback"):
+        fetcher.fetch(direct)
+    with MediaFetcher(allowing(server)) as fetcher:
+        assert fetcher.fetch(direct).mime == "image/png"  # still allowed: from the cache
+        with pytest.raises(MediaFetchError) as caught:
+            fetcher.fetch(redirected)
+    assert f"after a redirect to {forbidden.url('/img/b.png')}, 127.0.0.1 is a loopback address" in str(caught.value)
+    assert server.total_hits() == 2 and forbidden.total_hits() == 1  # all of it from the cache or refused
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "1m") -> Iterator[Path]:
+    """A real tmpfs of the given size mounted at ``where`` (needs root; skips the test otherwise)."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(disk: Path) -> None:
+    """Writes a file until the disk has no room left."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cache", ["new", "existing"])
+def test_a_full_cache_disk_fails_no_row(
+    tmp_path: Path, fake_runner: JobRunner, server: MediaServer, monkeypatch: pytest.MonkeyPatch, cache: str
+) -> None:
+    rows = [media_row(f"m-{i}", image(server.url(f"/img/{i % 4}.png"))) for i in range(8)]
+    rows += [{"custom_id": f"t-{i}", "body": {"messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    with small_disk(tmp_path / "disk") as disk:
+        monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(disk / "media"))
+        if cache == "existing":
+            with MediaFetcher(allowing(server)) as fetcher:
+                fetcher.fetch(server.url("/img/earlier.png"))
+        fill(disk)
+        options = {"max_tokens": 16, "media": {"allowed_hosts": ["127.0.0.1"]}}
+        report = fake_runner.run(fake_runner.submit(str(src), str(out), options))
+    # The fake engine refuses any media URL it is handed: every media row got its bytes as data.
+    assert report.status == "completed"
+    assert report.request_counts.completed == 11 and report.request_counts.failed == 0
+    assert sorted(line["custom_id"] for line in read_jsonl(out)) == sorted(r["custom_id"] for r in rows)
+
+
+def test_media_the_cache_cannot_store_are_still_handed_over(tmp_path: Path, server: MediaServer) -> None:
+    url = server.url("/img/kept.png")
+    with small_disk(tmp_path / "disk") as disk, MediaFetcher(allowing(server), disk / "media") as fetcher:
+        fill(disk)  # the cache opened fine; the disk filled up afterwards
+        value = fetcher.inline_value(image_ref(url))
+    assert value == "data:image/png;base64," + base64.b64encode(image_for("/img/kept.png")).decode()
+    assert server.hits["/img/kept.png"] == 1
+
+
+def test_on_a_full_disk_only_media_too_large_for_memory_fail(tmp_path: Path, server: MediaServer) -> None:
+    small, large = server.url("/img/small.png"), server.url("/huge.png")
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk)
+        with MediaFetcher(allowing(server, max_bytes=64 * 2**20), disk / "media") as fetcher:
+            assert fetcher.inline_value(image_ref(small)).startswith("data:image/png;base64,")
+            with pytest.raises(MediaFetchError) as caught:
+                fetcher.fetch(large)
+    assert str(caught.value) == (
+        f"media {large} could not be fetched: it is larger than 8 MiB and the media cache {disk / 'media'} has "
+        "no room to hold it (No space left on device); free some space there or set ANEX_MEDIA_CACHE_DIR"
+    )
+
+
+GUARDED_TARGETS = [
+    ("127.0.0.1:PORT", "127.0.0.1 is a loopback address"),
+    ("2130706433:PORT", "2130706433 resolves to 127.0.0.1, a loopback address"),  # decimal
+    ("017700000001:PORT", "017700000001 resolves to 127.0.0.1, a loopback address"),  # octal
+    ("0x7f.0.0.1:PORT", "0x7f.0.0.1 resolves to 127.0.0.1, a loopback address"),  # hex
+    ("0x7f000001:PORT", "0x7f000001 resolves to 127.0.0.1, a loopback address"),
+    ("127.1:PORT", "127.1 resolves to 127.0.0.1, a loopback address"),
+    ("[::ffff:127.0.0.1]:PORT", "::ffff:127.0.0.1 is a loopback address"),
+    ("[::127.0.0.1]:PORT", "::127.0.0.1 is a loopback address"),
+    ("[::1]:PORT", "::1 is a loopback address"),
+    ("10.0.0.1", "10.0.0.1 is a private address"),
+    ("169.254.10.1", "169.254.10.1 is a link-local address"),
+    ("169.254.169.254", "169.254.169.254 is a cloud metadata address"),
+    ("[::ffff:169.254.169.254]", "::ffff:169.254.169.254 is a cloud metadata address"),
+]
+
+
+@pytest.mark.parametrize("redirect", [False, True], ids=["direct", "redirect"])
+@pytest.mark.parametrize(("target", "says"), GUARDED_TARGETS, ids=[t[0] for t in GUARDED_TARGETS])
+def test_every_connection_passes_the_address_guard(
+    server: MediaServer, forbidden: MediaServer, target: str, says: str, redirect: bool
+) -> None:
+    """Redirect hops are checked only where connections are opened: this fails if the client's
+    connections stop going through the guard."""
+    hop = f"http://{target.replace('PORT', str(forbidden.port))}/img/a.png"
+    url = server.url(f"/redirect?to={hop}") if redirect else hop
+    started = time.monotonic()
+    with MediaFetcher(allowing(server, timeout_s=1.0)) as fetcher, pytest.raises(MediaFetchError) as caught:
+        fetcher.fetch(url)
+    via = f"after a redirect to {hop}, " if redirect else ""
+    assert str(caught.value).startswith(f"media {url} could not be fetched: {via}{says}")
+    assert time.monotonic() - started < 1.0
+    assert forbidden.total_hits() == 0
