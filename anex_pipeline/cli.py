@@ -116,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="API keys, one per line (a key, or sha256:<hex> of one); default $ANEX_BATCH_API_KEYS "
         "(comma-separated), else the keys stored at the last start",
     )
+    srv.add_argument(
+        "--media",
+        default=None,
+        metavar="JSON",
+        help="media policy of every batch, as the job option 'media' (JSON or @file.json); a batch may "
+        "only name fewer hosts and lower limits",
+    )
+    srv.add_argument(
+        "--media-allowed-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
+    )
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _engine_flags(srv)
@@ -353,9 +367,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     elif os.environ.get("ANEX_BATCH_API_KEYS"):
         keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    media = _media_policy(args)
     runner = _runner(args)
     try:
-        app = create_app(runner, keys)
+        app = create_app(runner, keys, media=media)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     try:
@@ -363,6 +378,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         runner.close()
     return EXIT_OK
+
+
+def _media_policy(args: argparse.Namespace) -> Any:
+    """The operator's media policy for ``serve``: --media, with --media-allowed-host added."""
+    from pydantic import ValidationError
+
+    from anex_pipeline.spec import MediaOptions
+
+    raw = _json_arg("--media", args.media) if args.media else {}
+    if not isinstance(raw, dict):
+        raise UsageError("--media must be a JSON object of media options, e.g. '{\"max_bytes\": 1000000}'")
+    hosts = raw.get("allowed_hosts", [])
+    if args.media_allowed_host and isinstance(hosts, list):
+        raw["allowed_hosts"] = [*hosts, *args.media_allowed_host]
+    try:
+        return MediaOptions.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "media"
+        raise UsageError(f"--media: {where}: {first['msg']}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
