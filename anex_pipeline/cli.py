@@ -189,6 +189,12 @@ def _json_arg(flag: str, text: str) -> Any:
 
 
 def _instance() -> Any:
+    """The Dagster instance of $DAGSTER_HOME (default: under the cache folder). Loading it creates
+    its SQLite storage on first use; that happens under a lock on the home, because commands
+    started together on a new home would otherwise create the same tables twice and can leave
+    the storage unusable for good."""
+    import fcntl
+
     import dagster as dg
 
     from anex_pipeline.models import cache_root
@@ -196,7 +202,9 @@ def _instance() -> Any:
     home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.get()
+    with (home / ".instance.lock").open("ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+        return dg.DagsterInstance.get()
 
 
 class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
