@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_STOPPED, EXIT_REJECTED = 0, 1, 2
+LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
 
 # Flags that map one-to-one onto job options: (flag, option name, type).
 OPTION_FLAGS: list[tuple[str, str, Any]] = [
@@ -297,21 +300,50 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     return _report_of(runner, backfill)
 
 
+class _WithoutStorageNoise:
+    """sys.stderr without the lines Dagster writes there itself when it cannot store an event
+    (e.g. its SQLite storage is on a full disk): the error also reaches the command, which tells
+    it in one line."""
+
+    DAGSTER_STORE_FAILED = "Exception while writing logger call to event log"
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return len(text) if text.startswith(self.DAGSTER_STORE_FAILED) else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     """Runs a job action, always releasing the engine; prints the report and picks the exit code."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
     from anex_pipeline.runner import StepFailed
 
+    resume = (
+        "the rows finished so far are kept: make room (or fix the location) and run the same command again to resume"
+    )
     try:
-        report = work()
+        with contextlib.redirect_stderr(_WithoutStorageNoise(sys.stderr)):
+            report = work()
     except StepFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except OSError as exc:  # the work folder cannot be written, e.g. its disk is full
         print(
-            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; the rows finished so "
-            "far are kept: make room (or fix the location) and run the same command again to resume",
-            file=sys.stderr,
+            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; {resume}", file=sys.stderr
         )
+        return EXIT_STOPPED
+    except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
+        home = os.environ["DAGSTER_HOME"]
+        cause = getattr(exc, "orig", None) or exc
+        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
+        print(f"error: cannot write the Dagster run history in {home}: {cause}{full}; {resume}", file=sys.stderr)
         return EXIT_STOPPED
     finally:
         runner.close()

@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,12 +182,15 @@ def _failure_reason(records: Sequence[dg.EventLogRecord]) -> str:
 
 def step_error_message(error: Any) -> str:
     """The first error in a chain that is not Dagster's own wrapper: a step error
-    (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries"."""
+    (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries".
+    An error of this package is told by its message alone: its messages are written for users."""
     while error.cause is not None and (
         error.message.startswith("dagster.") or error.cls_name == "RetryRequestedFromPolicy"
     ):
         error = error.cause
-    return error.message.strip()
+    message = error.message.strip()
+    own = re.match(rf"anex_pipeline(\.\w+)*\.{re.escape(error.cls_name or '')}: ", message)
+    return message[own.end() :] if own else message
 
 
 @lru_cache(maxsize=4096)
