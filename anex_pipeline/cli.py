@@ -197,17 +197,33 @@ def _instance() -> Any:
     started together on a new home would otherwise create the same tables twice and can leave
     the storage unusable for good."""
     import fcntl
+    import sqlite3
 
     import dagster as dg
+    from sqlalchemy.exc import DBAPIError
 
     from anex_pipeline.models import cache_root
 
     home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
-    home.mkdir(parents=True, exist_ok=True)
     os.environ["DAGSTER_HOME"] = str(home)
-    with (home / ".instance.lock").open("ab") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
-        return dg.DagsterInstance.get()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with (home / ".instance.lock").open("ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+            return dg.DagsterInstance.get()
+    except (OSError, sqlite3.Error, DBAPIError) as exc:
+        raise UsageError(f"{_storage_failure(exc)}; make room there, or set DAGSTER_HOME to another folder") from None
+
+
+def _storage_failure(exc: Exception) -> str:
+    """What went wrong writing the Dagster home (its SQLite storage, say), in a few words."""
+    home = os.environ["DAGSTER_HOME"]
+    cause = getattr(exc, "strerror", None) or getattr(exc, "orig", None) or exc
+    try:
+        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
+    except OSError:  # the home itself could not be made
+        full = ""
+    return f"cannot write the Dagster run history in {home}: {cause}{full}"
 
 
 class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
@@ -340,10 +356,7 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
         )
         return EXIT_STOPPED
     except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
-        home = os.environ["DAGSTER_HOME"]
-        cause = getattr(exc, "orig", None) or exc
-        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
-        print(f"error: cannot write the Dagster run history in {home}: {cause}{full}; {resume}", file=sys.stderr)
+        print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
         return EXIT_STOPPED
     finally:
         runner.close()

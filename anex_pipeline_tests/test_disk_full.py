@@ -92,7 +92,12 @@ def fill_up_once(work: Path, proc: subprocess.Popen[str], ready: Callable[[], bo
     deadline = time.monotonic() + 120
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    filler = work / "filler"
+    return fill(work)
+
+
+def fill(folder: Path) -> Path:
+    """Takes every byte left on the folder's disk; returns the file holding them."""
+    filler = folder / "filler"
     with filler.open("wb", buffering=0) as f:
         try:
             while True:
@@ -102,11 +107,11 @@ def fill_up_once(work: Path, proc: subprocess.Popen[str], ready: Callable[[], bo
     return filler
 
 
-def assert_one_error_line(code: int, err: str, path: Path, *words: str) -> str:
-    """Exit code 1, no traceback or stack frames (Python's or Dagster's), and one line of error
-    that names the path (and holds the given words); returns that line."""
+def assert_one_error_line(code: int, err: str, path: Path, *words: str, exit_code: int = 1) -> str:
+    """The exit code (1: the job stopped), no traceback or stack frames (Python's or Dagster's),
+    and one line of error that names the path (and holds the given words); returns that line."""
     lines = err.strip().splitlines()
-    assert code == 1, err
+    assert code == exit_code, err
     assert "Traceback (most recent call last)" not in err and "Stack Trace" not in err, err
     assert not [line for line in lines if line.lstrip().startswith('File "')], err
     errors = [line for line in lines if line.startswith("error: ") or " - ERROR - " in line]
@@ -223,3 +228,19 @@ def test_a_full_disk_under_the_dagster_home_says_where_and_resumes(tmp_path: Pat
     code, err = finish(cli(tmp_path, work, *args, home=home))
     assert code == 0, err
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_a_new_dagster_home_on_a_full_disk_is_one_line_before_anything_runs(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    disk = small_disk(tmp_path / "disk", "4m")
+    home, out = disk / "dagster", tmp_path / "out" / "result.jsonl"
+    filler = fill(disk)
+
+    code, err = finish(cli(tmp_path, tmp_path / "work", "run", str(src), "-o", str(out), home=home))
+    line = assert_one_error_line(code, err, home, "no space left", exit_code=2)  # nothing ran
+    assert "DAGSTER_HOME" in line
+
+    filler.unlink()  # the home that was begun is usable once there is room
+    code, err = finish(cli(tmp_path, tmp_path / "work", "run", str(src), "-o", str(out), home=home))
+    assert code == 0, err
+    assert len(read_jsonl(out)) == ROWS
