@@ -212,7 +212,9 @@ def _instance() -> Any:
             fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
             return dg.DagsterInstance.get()
     except (OSError, sqlite3.Error, DBAPIError) as exc:
-        raise UsageError(f"{_storage_failure(exc)}; make room there, or set DAGSTER_HOME to another folder") from None
+        raise UsageError(
+            f"{_storage_failure(exc)}; make room there (or make it writable), or set DAGSTER_HOME to another folder"
+        ) from None
 
 
 def _storage_failure(exc: Exception) -> str:
