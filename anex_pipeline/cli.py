@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_STOPPED, EXIT_REJECTED = 0, 1, 2
+LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
 
 # Flags that map one-to-one onto job options: (flag, option name, type).
 OPTION_FLAGS: list[tuple[str, str, Any]] = [
@@ -147,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="API keys, one per line (a key, or sha256:<hex> of one); default $ANEX_BATCH_API_KEYS "
         "(comma-separated), else the keys stored at the last start",
     )
+    srv.add_argument(
+        "--media",
+        default=None,
+        metavar="JSON",
+        help="media policy of every batch, as the job option 'media' (JSON or @file.json); a batch may "
+        "only name fewer hosts and lower limits",
+    )
+    srv.add_argument(
+        "--media-allowed-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
+    )
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _engine_flags(srv)
@@ -215,14 +232,40 @@ def _json_arg(flag: str, text: str) -> Any:
 
 
 def _instance() -> Any:
+    """The Dagster instance of $DAGSTER_HOME (default: under the cache folder). Loading it creates
+    its SQLite storage on first use; that happens under a lock on the home, because commands
+    started together on a new home would otherwise create the same tables twice and can leave
+    the storage unusable for good."""
+    import fcntl
+    import sqlite3
+
     import dagster as dg
+    from sqlalchemy.exc import DBAPIError
 
     from anex_pipeline.models import cache_root
 
     home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
-    home.mkdir(parents=True, exist_ok=True)
     os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.get()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with (home / ".instance.lock").open("ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+            return dg.DagsterInstance.get()
+    except (OSError, sqlite3.Error, DBAPIError) as exc:
+        raise UsageError(
+            f"{_storage_failure(exc)}; make room there (or make it writable), or set DAGSTER_HOME to another folder"
+        ) from None
+
+
+def _storage_failure(exc: Exception) -> str:
+    """What went wrong writing the Dagster home (its SQLite storage, say), in a few words."""
+    home = os.environ["DAGSTER_HOME"]
+    cause = getattr(exc, "strerror", None) or getattr(exc, "orig", None) or exc
+    try:
+        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
+    except OSError:  # the home itself could not be made
+        full = ""
+    return f"cannot write the Dagster run history in {home}: {cause}{full}"
 
 
 def _progress_logging(quiet: bool) -> None:
@@ -311,21 +354,47 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     return _report_of(runner, backfill)
 
 
+class _WithoutStorageNoise:
+    """sys.stderr without the lines Dagster writes there itself when it cannot store an event
+    (e.g. its SQLite storage is on a full disk): the error also reaches the command, which tells
+    it in one line."""
+
+    DAGSTER_STORE_FAILED = "Exception while writing logger call to event log"
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return len(text) if text.startswith(self.DAGSTER_STORE_FAILED) else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     """Runs a job action, always releasing the engine; prints the report and picks the exit code."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
     from anex_pipeline.runner import StepFailed
 
+    resume = (
+        "the rows finished so far are kept: make room (or fix the location) and run the same command again to resume"
+    )
     try:
-        report = work()
+        with contextlib.redirect_stderr(_WithoutStorageNoise(sys.stderr)):
+            report = work()
     except StepFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except OSError as exc:  # the work folder cannot be written, e.g. its disk is full
         print(
-            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; the rows finished so "
-            "far are kept: make room (or fix the location) and run the same command again to resume",
-            file=sys.stderr,
+            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; {resume}", file=sys.stderr
         )
+        return EXIT_STOPPED
+    except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
+        print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
         return EXIT_STOPPED
     finally:
         runner.close()
@@ -389,9 +458,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     elif os.environ.get("ANEX_BATCH_API_KEYS"):
         keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    media = _media_policy(args)
     runner = _runner(args)
     try:
-        app = create_app(runner, keys)
+        app = create_app(runner, keys, media=media)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     try:
@@ -399,6 +469,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         runner.close()
     return EXIT_OK
+
+
+def _media_policy(args: argparse.Namespace) -> Any:
+    """The operator's media policy for ``serve``: --media, with --media-allowed-host added."""
+    from pydantic import ValidationError
+
+    from anex_pipeline.spec import MediaOptions
+
+    raw = _json_arg("--media", args.media) if args.media else {}
+    if not isinstance(raw, dict):
+        raise UsageError("--media must be a JSON object of media options, e.g. '{\"max_bytes\": 1000000}'")
+    hosts = raw.get("allowed_hosts", [])
+    if args.media_allowed_host and isinstance(hosts, list):
+        raw["allowed_hosts"] = [*hosts, *args.media_allowed_host]
+    try:
+        return MediaOptions.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "media"
+        raise UsageError(f"--media: {where}: {first['msg']}") from None
 
 
 def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:

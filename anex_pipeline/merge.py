@@ -211,6 +211,12 @@ def merge_job(job: JobDir) -> JobReport:
     return report
 
 
+def nothing_delivered(counts: RequestCounts) -> bool:
+    """True for a job with input rows none of which has a result (not even an error): its result
+    file is empty and is not published in place of the result."""
+    return counts.total > 0 and counts.completed + counts.failed == 0
+
+
 def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport:
     counts = tally.counts
     counts.total = manifest.total_rows
@@ -222,7 +228,9 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         stop = json.loads(job.stop_path.read_text())["reason"] if job.stop_path.exists() else None
         missing = counts.total - delivered
         reason = stop or f"{missing} of {counts.total} rows have no result: their shards did not finish"
-        status = "stopped_early" if delivered else "failed"
+        status = "stopped_early"
+        if nothing_delivered(counts):
+            status, reason = "failed", f"{reason}; no row has a result, so no result file is published"
     timings = read_timings(job)
     busy = timings.get("generate", 0.0) + timings.get("estimate", 0.0)
     throughput = Throughput(

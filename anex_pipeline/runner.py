@@ -30,7 +30,9 @@ from anex_pipeline.validate import parse_options
 
 log = logging.getLogger("anex_pipeline.progress")
 
-QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "ERROR"}}}
+# Step failures come back as StepFailed and are told in one line; at ERROR, Dagster would also
+# print each with its stack trace on stderr.
+QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "CRITICAL"}}}
 
 
 class StepFailed(Exception):

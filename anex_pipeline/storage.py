@@ -71,7 +71,8 @@ def publish(src: Path, dest: str, s3_client: Any = None) -> str:
             tmp.unlink(missing_ok=True)
         raise OutputNotWritable(
             f"cannot write the result to {target}: {exc.strerror or exc}; the finished rows are kept in "
-            f"{src.parent} and the job can be finished again once the location is writable"
+            f"{src.parent}: make the location writable (or choose another) and run the same command again, "
+            "which publishes them without generating them again"
         ) from None
     return str(target)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -24,10 +25,13 @@ from openai import OpenAI
 from openai.types import Batch
 
 from anex_pipeline.batch_api.app import create_app
+from anex_pipeline.cli import UsageError, _media_policy, build_parser
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fake_cli import SlowFakeEngineResource
+from anex_pipeline_tests.test_media import MediaServer, image, media_row
 
 KEY_A = "sk-test-alice-0123456789"
 KEY_B = "sk-test-bob-9876543210"
@@ -35,9 +39,9 @@ DONE = {"completed", "failed", "cancelled", "expired"}
 
 
 @contextmanager
-def serving(runner: JobRunner, keys: list[str] | None = None, **limits: int) -> Iterator[str]:
+def serving(runner: JobRunner, keys: list[str] | None = None, **settings: Any) -> Iterator[str]:
     """The Batch API on a free loopback port, in a thread; yields the SDK's base_url."""
-    app = create_app(runner, [KEY_A, KEY_B] if keys is None else keys, **limits)
+    app = create_app(runner, [KEY_A, KEY_B] if keys is None else keys, **settings)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -324,3 +328,110 @@ def test_real_engine_batch_matches_the_pipeline(tmp_path: Path, real_runner: Job
     assert batch.model == report.model
     assert comparable(output) == comparable(direct)
     assert all(r["response"]["body"]["choices"][0]["message"]["content"] for r in output)
+
+
+def media_batch(sdk: OpenAI, path: Path, **extra: Any) -> Batch:
+    """A batch of ``path`` created with its job options in the body (``anex_options``) or in
+    ``metadata``, as given."""
+    with path.open("rb") as f:
+        uploaded = sdk.files.create(file=f, purpose="batch")
+    body = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **extra}
+    return sdk.post("/batches", body=body, cast_to=Batch)
+
+
+def test_callers_cannot_open_media_hosts_or_raise_limits(
+    tmp_path: Path, fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
+    metadata_service = MediaServer()  # stands for 169.254.169.254 or an admin port on loopback
+    hidden = metadata_service.url("/latest/meta-data/iam.png")
+    src = write_jsonl(tmp_path / "in.jsonl", [media_row("m0", image(hidden)), chat_row("t1", "plain text")])
+    opening = {"media": {"allowed_hosts": [f"127.0.0.1:{metadata_service.port}"]}}
+    try:
+        with serving(fake_runner) as url:
+            sdk = client(url)
+            for where in ({"anex_options": opening}, {"metadata": {"anex_options": json.dumps(opening)}}):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    media_batch(sdk, src, **where)
+                assert refused.value.body["param"] == "anex_options.media.allowed_hosts"  # type: ignore[index]
+                assert f"127.0.0.1:{metadata_service.port}" in refused.value.message
+            for name, value in (("max_bytes", 10**12), ("timeout_s", 10**6), ("per_host_connections", 64)):
+                with pytest.raises(openai.BadRequestError) as raised:
+                    media_batch(sdk, src, anex_options={"media": {name: value}})
+                assert raised.value.body["param"] == f"anex_options.media.{name}"  # type: ignore[index]
+            narrowed = media_batch(sdk, src, anex_options={"media": {"max_bytes": 1000, "allowed_hosts": []}})
+            batch = wait(sdk, narrowed.id)
+            errors = content(sdk, batch.error_file_id)
+    finally:
+        metadata_service.close()
+    assert batch.status == "completed" and [e["custom_id"] for e in errors] == ["m0"]
+    assert errors[0]["error"]["type"] == "media_fetch_error"
+    assert metadata_service.total_hits() == 0
+
+
+def test_the_operators_media_policy_applies_to_every_batch(
+    tmp_path: Path, fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
+    media = MediaServer()
+    src = write_jsonl(tmp_path / "in.jsonl", [media_row("m0", image(media.url("/img/0.png")))])
+    policy = MediaOptions(allowed_hosts=[f"127.0.0.1:{media.port}"], max_bytes=100_000)
+    try:
+        with serving(fake_runner, media=policy) as url:
+            sdk = client(url)
+            batch = wait(sdk, media_batch(sdk, src).id)  # no media options: the operator's hosts
+            with pytest.raises(openai.BadRequestError) as raised:
+                media_batch(sdk, src, anex_options={"media": {"max_bytes": 100_001}})
+            assert "100000" in raised.value.message or "100,000" in raised.value.message
+    finally:
+        media.close()
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert media.total_hits() == 1
+
+
+def test_deeply_nested_json_is_a_400(tmp_path: Path, fake_runner: JobRunner) -> None:
+    def nested(depth: int) -> str:
+        return "[" * depth + "]" * depth
+
+    bodies = {}
+    for depth in (5_000, 100_000):
+        bodies[f"whole body, {depth} levels"] = nested(depth)
+        bodies[f"anex_options, {depth} levels"] = (
+            '{"endpoint": "/v1/chat/completions", "input_file_id": "file-x", "anex_options": {"x": '
+            + nested(depth)
+            + "}}"
+        )
+        bodies[f"embedded request, {depth} levels"] = (
+            '{"endpoint": "/v1/chat/completions", "requests": [{"custom_id": "a", "body": {"x": '
+            + nested(depth)
+            + "}}]}"
+        )
+    with serving(fake_runner) as url:
+        for what, body in bodies.items():
+            answer = httpx.post(
+                f"{url}/batches",
+                content=body.encode(),
+                headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"},
+                timeout=30,
+            )
+            assert answer.status_code == 400, (what, answer.text[:300])
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, what
+            assert "nested" in error["message"], (what, error)
+        sdk = client(url)
+        deep = '{"custom_id": "d", "method": "POST", "url": "/v1/chat/completions", "body": {"x": '
+        lines = [chat_row("ok", "hello"), deep + nested(100_000) + "}}", deep + '{"a":' * 5_000 + "1" + "}" * 5_002]
+        src = write_jsonl(tmp_path / "deep.jsonl", lines)
+        batch = wait(sdk, submit(sdk, src).id)
+    assert batch.status == "failed" and batch.errors is not None and batch.errors.data is not None
+    assert [(e.line, "nested too deeply" in (e.message or "")) for e in batch.errors.data] == [(2, True), (3, True)]
+
+
+def test_serve_reads_the_operators_media_policy(tmp_path: Path) -> None:
+    (tmp_path / "media.json").write_text('{"max_bytes": 5000, "allowed_hosts": ["images.internal"]}')
+    args = build_parser().parse_args(
+        ["serve", "--media", f"@{tmp_path / 'media.json'}", "--media-allowed-host", "10.0.0.7:9000"]
+    )
+    assert _media_policy(args) == MediaOptions(allowed_hosts=["images.internal", "10.0.0.7:9000"], max_bytes=5000)
+    with pytest.raises(UsageError, match="max_byte"):
+        _media_policy(build_parser().parse_args(["serve", "--media", '{"max_byte": 5}']))

@@ -41,11 +41,11 @@ def small_disk() -> Iterator[Mount]:
         subprocess.run(["umount", str(path)], check=True)
 
 
-def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0) -> subprocess.Popen[str]:
+def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0, home: Path | None = None) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "ANEX_WORK_DIR": str(work),
-        "DAGSTER_HOME": str(tmp / "dagster"),
+        "DAGSTER_HOME": str(home or tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
     command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
@@ -92,7 +92,12 @@ def fill_up_once(work: Path, proc: subprocess.Popen[str], ready: Callable[[], bo
     deadline = time.monotonic() + 120
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    filler = work / "filler"
+    return fill(work)
+
+
+def fill(folder: Path) -> Path:
+    """Takes every byte left on the folder's disk; returns the file holding them."""
+    filler = folder / "filler"
     with filler.open("wb", buffering=0) as f:
         try:
             while True:
@@ -102,12 +107,22 @@ def fill_up_once(work: Path, proc: subprocess.Popen[str], ready: Callable[[], bo
     return filler
 
 
+def assert_one_error_line(code: int, err: str, path: Path, *words: str, exit_code: int = 1) -> str:
+    """The exit code (1: the job stopped), no traceback or stack frames (Python's or Dagster's),
+    and one line of error that names the path (and holds the given words); returns that line."""
+    lines = err.strip().splitlines()
+    assert code == exit_code, err
+    assert "Traceback (most recent call last)" not in err and "Stack Trace" not in err, err
+    assert not [line for line in lines if line.lstrip().startswith('File "')], err
+    errors = [line for line in lines if line.startswith("error: ") or " - ERROR - " in line]
+    assert errors == [lines[-1]], err
+    assert str(path) in lines[-1] and all(w in lines[-1].lower() for w in words), err
+    return lines[-1]
+
+
 def assert_clean_failure(code: int, err: str, path: Path) -> None:
-    """Exit code 1, no Python traceback, and a last line that says what is full and where."""
-    last = err.strip().splitlines()[-1]
-    assert code == 1, err
-    assert "Traceback (most recent call last)" not in err, err
-    assert last.startswith("error: ") and "no space left" in last.lower() and str(path) in last, err
+    """The failure of a full disk: one line of error that says what is full and where."""
+    assert_one_error_line(code, err, path, "no space left")
 
 
 def test_full_output_location_keeps_the_rows_and_leaves_no_partial_file(tmp_path: Path, small_disk: Mount) -> None:
@@ -177,3 +192,55 @@ def test_work_folder_filling_up_mid_shard_keeps_a_parquet_checkpoint_whole(tmp_p
     assert pq.read_table(out).column("id").to_pylist() == [f"r{i}" for i in range(ROWS)]
     after = checkpoint_rows(work)
     assert len(after) == ROWS and set(kept) <= set(after)
+
+
+def test_an_unwritable_output_is_one_line_of_error(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    work = tmp_path / "work"
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    read_only = small_disk(tmp_path / "read-only", "64k")
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
+
+    for out in (folder, read_only / "result.jsonl"):
+        code, err = finish(cli(tmp_path, work, "run", str(src), "-o", str(out)))
+        line = assert_one_error_line(code, err, out, "cannot write")
+        assert "run the same command again" in line and "anex_pipeline." not in line, line
+    assert os.listdir(folder) == [] and os.listdir(read_only) == []
+
+
+def test_a_full_disk_under_the_dagster_home_says_where_and_resumes(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    disk = small_disk(tmp_path / "disk", "4m")
+    work, home = disk / "work", disk / "dagster"  # the default layout: both under one cache folder
+    out = tmp_path / "out" / "result.jsonl"
+    args = ("run", str(src), "-o", str(out), "--shards", "2", "--set", "checkpoint_rows=10")
+
+    proc = cli(tmp_path, work, *args, delay=0.01, home=home)
+    filler = fill_up_once(disk, proc, lambda: len(checkpoint_lines(work)) >= 30)
+    code, err = finish(proc)
+    line = assert_one_error_line(code, err, disk, "no space left")
+    assert "run the same command again" in line, line
+    assert not [x for x in err.splitlines() if x != line and ("sqlite" in x.lower() or "disk is full" in x)], err
+    assert not out.exists()
+
+    filler.unlink()
+    code, err = finish(cli(tmp_path, work, *args, home=home))
+    assert code == 0, err
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_a_new_dagster_home_on_a_full_disk_is_one_line_before_anything_runs(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    disk = small_disk(tmp_path / "disk", "4m")
+    home, out = disk / "dagster", tmp_path / "out" / "result.jsonl"
+    filler = fill(disk)
+
+    code, err = finish(cli(tmp_path, tmp_path / "work", "run", str(src), "-o", str(out), home=home))
+    line = assert_one_error_line(code, err, home, "no space left", exit_code=2)  # nothing ran
+    assert "DAGSTER_HOME" in line
+
+    filler.unlink()  # the home that was begun is usable once there is room
+    code, err = finish(cli(tmp_path, tmp_path / "work", "run", str(src), "-o", str(out), home=home))
+    assert code == 0, err
+    assert len(read_jsonl(out)) == ROWS

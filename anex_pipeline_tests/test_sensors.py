@@ -286,6 +286,33 @@ def test_s3_file_to_result_under_the_output_prefix(bucket: Callable[..., Any]) -
     assert report["request_counts"]["total"] == 5 and report["request_counts"]["completed"] == 5
 
 
+def test_keys_that_would_share_a_result_key_are_refused_once_in_the_tick_log(
+    bucket: Callable[..., Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    def told() -> list[str]:
+        """The files the sensor's log said it does not take, since the last look."""
+        lines = capfd.readouterr().err.splitlines()
+        return sorted(line.split(" - WARNING - ", 1)[1].split(" ", 1)[0] for line in lines if "is not taken" in line)
+
+    deployment, client = bucket()
+    body = jsonl_bytes([chat_row("a", "hello")])
+    for key in ("in/x.jsonl", "in/./x.jsonl", "in//x.jsonl", "in/team/../x.jsonl"):
+        client.put_object(Bucket=BUCKET, Key=key, Body=body)
+
+    first = deployment.tick("s3_inbox")
+    assert submitted(first) == [
+        {"input": f"s3://{BUCKET}/in/x.jsonl", "output": f"s3://{BUCKET}/out/x.results.jsonl", "options": {}}
+    ]
+    assert told() == sorted(f"s3://{BUCKET}/in/{name}" for name in ("/x.jsonl", "./x.jsonl", "team/../x.jsonl"))
+
+    assert not deployment.tick("s3_inbox").run_requests
+    assert told() == []  # told once, not on every tick
+
+    client.put_object(Bucket=BUCKET, Key="in/./x.jsonl", Body=jsonl_bytes([chat_row("b", "changed")]))
+    assert not deployment.tick("s3_inbox").run_requests
+    assert told() == [f"s3://{BUCKET}/in/./x.jsonl"]  # a new version is told again
+
+
 def local_deployment(tmp_path: Path, instance: dg.DagsterInstance, **settings: Any) -> Deployment:
     inbox = LocalInboxSettings(**{"settle_seconds": 0.0, **settings})
     return Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource(), local_inbox=inbox), instance)

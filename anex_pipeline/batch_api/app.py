@@ -28,22 +28,24 @@ from anex_pipeline.batch_api.objects import ApiError, BatchRecord, CreateBatch, 
 from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import BatchWorker
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import ENDPOINT_BY_URL, JobRejected
+from anex_pipeline.spec import ENDPOINT_BY_URL, JobRejected, MediaOptions
 from anex_pipeline.validate import parse_options
 
 OPTIONS_METADATA_KEY = "anex_options"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
 MAX_METADATA_PAIRS = 16
+MEDIA_LIMITS = ("max_bytes", "timeout_s", "per_host_connections", "max_retries")  # a caller may only lower these
 
 
 class BatchApi:
     """The routes' logic, on one store and one worker."""
 
-    def __init__(self, store: Store, worker: BatchWorker, key_hashes: frozenset[str]):
+    def __init__(self, store: Store, worker: BatchWorker, key_hashes: frozenset[str], media: MediaOptions):
         self.store = store
         self.worker = worker
         self.key_hashes = key_hashes
+        self.media = media
 
     def owner(self, request: Request) -> str:
         """The hash of the caller's API key, or a 401."""
@@ -98,6 +100,8 @@ class BatchApi:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "The request body is not valid JSON.") from None
+        except RecursionError:
+            raise ApiError(400, "The request body is JSON nested too deeply to read; flatten it.") from None
         try:
             body = CreateBatch.model_validate(raw)
         except ValidationError as exc:
@@ -111,7 +115,7 @@ class BatchApi:
     def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = job_options(body)
+        options = job_options(body, self.media)
         batch_id = new_id("batch_")
         if body.requests is not None:
             input_file_id = self._embedded_input(owner, batch_id, body)
@@ -195,9 +199,10 @@ class BatchApi:
         return shown
 
 
-def job_options(body: CreateBatch) -> dict[str, Any]:
+def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
     """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
-    the ``anex_options`` body field over it, the batch's endpoint and ``model``; checked here."""
+    the ``anex_options`` body field over it, the batch's endpoint and ``model``, and the service's
+    media policy narrowed by the caller's ``media``; checked here."""
     if body.endpoint not in ENDPOINT_BY_URL:
         supported = ", ".join(ENDPOINT_BY_URL)
         raise ApiError(
@@ -233,6 +238,7 @@ def job_options(body: CreateBatch) -> dict[str, Any]:
                 param=f"metadata.{OPTIONS_METADATA_KEY}",
             )
     options.update(body.anex_options or {})
+    options["media"] = narrowed_media(options.get("media"), media)
     if body.model is not None:
         options.setdefault("model", body.model)
     endpoint = ENDPOINT_BY_URL[body.endpoint]
@@ -248,6 +254,37 @@ def job_options(body: CreateBatch) -> dict[str, Any]:
         raise ApiError(
             400, "The job options are not valid: " + "; ".join(str(p) for p in exc.problems), param=OPTIONS_METADATA_KEY
         ) from None
+
+
+def narrowed_media(asked: Any, policy: MediaOptions) -> Any:
+    """The media options a batch runs with: the operator's policy, where the caller may only
+    name fewer of its hosts and lower its limits (hosts reachable from the service are the
+    operator's decision). Options that are not valid media options are returned as they are,
+    for the option check to name."""
+    if asked is None:
+        return policy.model_dump()
+    try:
+        wanted = MediaOptions.model_validate(asked)
+    except ValidationError:
+        return asked
+    param = f"{OPTIONS_METADATA_KEY}.media"
+    if extra := [h for h in wanted.allowed_hosts if h not in policy.allowed_hosts]:
+        raise ApiError(
+            400,
+            f"{param}.allowed_hosts: {extra[0]!r} is not a media host this service allows; the hosts are set by "
+            f"its operator ({', '.join(policy.allowed_hosts) or 'none beyond public addresses'}) and a batch "
+            "may only name some of them",
+            param=f"{param}.allowed_hosts",
+        )
+    for name in MEDIA_LIMITS:
+        if name in wanted.model_fields_set and getattr(wanted, name) > getattr(policy, name):
+            raise ApiError(
+                400,
+                f"{param}.{name}: {getattr(wanted, name)} is above this service's limit of "
+                f"{getattr(policy, name)}; a batch may only lower it",
+                param=f"{param}.{name}",
+            )
+    return policy.model_copy(update={name: getattr(wanted, name) for name in wanted.model_fields_set}).model_dump()
 
 
 class BodyLimit:
@@ -308,9 +345,11 @@ def create_app(
     *,
     max_upload_bytes: int = MAX_UPLOAD_BYTES,
     max_body_bytes: int = MAX_BODY_BYTES,
+    media: MediaOptions | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
-    ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid."""
+    ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
+    ``media`` is the operator's media policy (hosts and limits); callers may only narrow it."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -321,7 +360,7 @@ def create_app(
             "(none are stored from an earlier start)"
         )
     worker = BatchWorker(runner, store)
-    api = BatchApi(store, worker, key_hashes)
+    api = BatchApi(store, worker, key_hashes, media or MediaOptions())
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

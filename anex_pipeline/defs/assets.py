@@ -20,7 +20,7 @@ from anex_pipeline.estimate import estimate_lengths
 from anex_pipeline.generate import JobStopped, run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.ledger import account_rows
-from anex_pipeline.merge import merge_job, record_timing, result_path
+from anex_pipeline.merge import merge_job, nothing_delivered, record_timing, result_path
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.storage import localize_input, publish
 from anex_pipeline.validate import parse_options
@@ -206,7 +206,10 @@ def result_file(context: dg.AssetExecutionContext, storage: StorageResource) -> 
     manifest = job.manifest()
     s3 = storage.s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
     report = JobReport.model_validate_json((job.root / "report.json").read_text())
-    where = publish(result_path(job), manifest.output, s3)
+    if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
+        where = "not published: no row has a result"
+    else:
+        where = publish(result_path(job), manifest.output, s3)
     publish(job.root / "report.json", manifest.report, s3)
     return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": manifest.report})
 

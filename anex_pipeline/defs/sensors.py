@@ -15,9 +15,11 @@ for a job that an ``anex-pipeline`` process is driving (it holds the job's lease
 # No "from __future__ import annotations" here: Dagster reads the sensors' resource annotations.
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,12 +183,15 @@ def _failure_reason(records: Sequence[dg.EventLogRecord]) -> str:
 
 def step_error_message(error: Any) -> str:
     """The first error in a chain that is not Dagster's own wrapper: a step error
-    (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries"."""
+    (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries".
+    An error of this package is told by its message alone: its messages are written for users."""
     while error.cause is not None and (
         error.message.startswith("dagster.") or error.cls_name == "RetryRequestedFromPolicy"
     ):
         error = error.cause
-    return error.message.strip()
+    message = error.message.strip()
+    own = re.match(rf"anex_pipeline(\.\w+)*\.{re.escape(error.cls_name or '')}: ", message)
+    return message[own.end() :] if own else message
 
 
 @lru_cache(maxsize=4096)
@@ -308,6 +313,7 @@ class Arrival:
     version: str  # S3 ETag, or the file's mtime and size: a change makes a new job
     uri: str  # what validated_input reads
     output: str  # where the result file goes (the report goes beside it)
+    refused: str | None = None  # why the file is not taken, told once in the sensor's log
 
     @property
     def job_id(self) -> str:
@@ -376,12 +382,20 @@ def take_new(
     of the newest file taken) only narrows which files are looked at again.
     """
     defaults = options_from_json(settings.options, "the sensor's default options")
-    since = json.loads(context.cursor)["since"] if context.cursor else 0.0
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    since = cursor.get("since", 0.0)
     window = sorted(
         (a for a in arrivals if a.arrived >= since - settings.lookback_seconds), key=lambda a: (a.arrived, a.name)
     )
+    told = set(cursor.get("refused", []))
+    refused = []  # refused files still in the window, each told once (and remembered while it is)
+    for arrival in (a for a in window if a.refused):
+        mark = hashlib.sha256(f"{arrival.uri}\0{arrival.version}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        if mark not in told:
+            context.log.warning(f"{arrival.uri} is not taken: {arrival.refused}")
+        refused.append(mark)
     requests = []
-    for arrival in window:
+    for arrival in (a for a in window if not a.refused):
         if len(requests) == settings.page_limit:
             break
         if context.instance.has_dynamic_partition(JOBS, arrival.job_id):
@@ -394,12 +408,14 @@ def take_new(
             continue
         requests.append(submit_request(arrival, options))
         since = max(since, arrival.arrived)
+    new_cursor = json.dumps({"since": since, **({"refused": refused} if refused else {})})
     if not requests:
-        return dg.SkipReason(f"no new input files in {where}")
+        skip = f"no new input files in {where}"
+        return dg.SensorResult(skip_reason=skip, cursor=new_cursor) if set(refused) != told else dg.SkipReason(skip)
     return dg.SensorResult(
         run_requests=requests,
         dynamic_partitions_requests=[job_partitions.build_add_request([r.partition_key for r in requests])],
-        cursor=json.dumps({"since": since}),
+        cursor=new_cursor,
     )
 
 
@@ -426,22 +442,33 @@ class S3InboxSettings(InboxSettings):
 
 
 def bucket_arrivals(objects: Iterable[Mapping[str, Any]], settings: S3InboxSettings) -> Iterator[Arrival]:
+    """The input objects of a bucket listing. Each result key is made from its input's key alone,
+    one to one: a key whose name below the prefix has an empty, '.' or '..' segment (which a path
+    would fold into another key's name) is refused, as is one whose result key would be unsafe."""
     output_root = settings.output_root()
     for obj in objects:
         key = obj["Key"]
         if key.startswith(output_root) or not is_input_name(key):
             continue
-        name = key[len(settings.prefix) :].lstrip("/")
+        name = key[len(settings.prefix) :]
+        if settings.prefix and not settings.prefix.endswith("/"):
+            name = name.removeprefix("/")  # the prefix names a folder: one separator after it
         result_key = f"{output_root}{results_name(name)}"
-        if (why := unsafe_key(result_key)) is not None:  # found now, not after the whole job ran
-            progress_log.warning("skipping s3://%s/%s: its result key %r %s", settings.bucket, key, result_key, why)
-            continue
+        refused = None
+        if any(part in ("", ".", "..") for part in name.split("/")):
+            refused = (
+                f"its name below the prefix {settings.prefix!r} has an empty, '.' or '..' path segment, so its "
+                "result could overwrite another file's; upload it under a plain name"
+            )
+        elif (why := unsafe_key(result_key)) is not None:  # found now, not after the whole job ran
+            refused = f"its result key {result_key[:300]!r} {why}; upload it under a shorter, plain name"
         yield Arrival(
             name=name,
             arrived=obj["LastModified"].timestamp(),
             version=obj["ETag"].strip('"'),
             uri=f"s3://{settings.bucket}/{key}",
             output=f"s3://{settings.bucket}/{result_key}",
+            refused=refused,
         )
 
 

@@ -1,0 +1,57 @@
+"""The Dagster instance of ``anex-pipeline``: first use of an empty DAGSTER_HOME by several
+processes at once, in real processes started together."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from anex_pipeline_tests.conftest import chat_row, write_jsonl
+
+PROCESSES = 4
+# Each process imports everything first, says it is ready, then waits for the common start.
+CREATE = """
+import os, sys, time
+from pathlib import Path
+from anex_pipeline.cli import _instance
+ready, go = Path(sys.argv[1]), Path(sys.argv[2])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+_instance().get_runs()
+"""
+
+
+def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
+    home = tmp_path / "dagster"
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    go = tmp_path / "go"
+    ready = [tmp_path / f"ready-{i}" for i in range(PROCESSES)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CREATE, str(r), str(go)], env=env, stderr=subprocess.PIPE, text=True)
+        for r in ready
+    ]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
+        time.sleep(0.01)
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * PROCESSES, "\n".join(errors)
+
+    with sqlite3.connect(home / "history" / "runs.db") as db:
+        assert len(db.execute("select * from alembic_version").fetchall()) == 1  # one migration head
+
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
+    run = subprocess.run(
+        [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(tmp_path / "out.jsonl")],
+        env={**env, "ANEX_WORK_DIR": str(tmp_path / "work")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
