@@ -231,6 +231,14 @@ def _json_arg(flag: str, text: str) -> Any:
         raise UsageError(f"{flag} must be JSON (or @file.json): {text!r}") from None
 
 
+# The dagster.yaml written into a new Dagster home: SQLite storage in the home (Dagster's default).
+NEW_HOME_SETTINGS = """\
+# Written by anex-pipeline for a new Dagster home; storage defaults to SQLite in this folder.
+telemetry:
+  enabled: false
+"""
+
+
 def _instance() -> Any:
     """The Dagster instance of $DAGSTER_HOME (default: under the cache folder). Loading it creates
     its SQLite storage on first use; that happens under a lock on the home, because commands
@@ -250,6 +258,9 @@ def _instance() -> Any:
         home.mkdir(parents=True, exist_ok=True)
         with (home / ".instance.lock").open("ab") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+            settings = home / "dagster.yaml"
+            if not settings.exists():  # without one Dagster prints a warning and a telemetry banner
+                settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
             return dg.DagsterInstance.get()
     except (OSError, sqlite3.Error, DBAPIError) as exc:
         raise UsageError(

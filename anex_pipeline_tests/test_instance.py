@@ -42,6 +42,9 @@ def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
     go.touch()
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * PROCESSES, "\n".join(errors)
+    # the new home gets its own settings, so Dagster prints no warning or telemetry banner about it
+    assert (home / "dagster.yaml").is_file()
+    assert not any("No dagster instance configuration" in e or "Telemetry" in e for e in errors), errors
 
     with sqlite3.connect(home / "history" / "runs.db") as db:
         assert len(db.execute("select * from alembic_version").fetchall()) == 1  # one migration head
