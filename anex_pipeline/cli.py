@@ -423,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_REJECTED
+    except KeyboardInterrupt:  # Ctrl-C outside generation (which stops the job more gently)
+        print("stopped: cancelled by the user; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 def entry() -> None:
