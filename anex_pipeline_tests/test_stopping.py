@@ -1,0 +1,182 @@
+"""Stopping a job, on a fake engine that works in steps like vLLM's scheduler: a stop is seen at the
+next engine step (not at the next checkpoint), the rows in flight are dropped, the finished rows
+are kept, and progress follows every row as it finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from anex_pipeline import stopping
+from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck
+from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.generate import live_progress, run_shard
+from anex_pipeline.jobs import JobDir, JobManifest, prepare_job
+from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import RowOutcome
+from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
+from anex_pipeline.validate import parse_options
+from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+
+ROWS = 40
+
+
+class SteppingEngine(FakeEngine):
+    """Holds up to ``room`` rows in flight and finishes the oldest one per step, taking
+    ``step_s`` for it; rows still in flight when the stream ends early are recorded as aborted."""
+
+    def __init__(self, step_s: float = 0.0, room: int = 8):
+        super().__init__()
+        self.step_s, self.room = step_s, room
+        self.steps = 0
+        self.aborted: list[str] = []
+
+    def stream(
+        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
+    ) -> Iterator[list[RowOutcome]]:
+        source = iter(requests)
+        flight: list[EngineRequest] = []
+        try:
+            while True:
+                if stop is not None:
+                    stop()
+                while len(flight) < self.room and (req := next(source, None)) is not None:
+                    flight.append(req)
+                if not flight:
+                    return
+                time.sleep(self.step_s)
+                self.steps += 1
+                yield [self._one(flight.pop(0))]
+        finally:
+            self.aborted = [r.key for r in flight]
+
+
+class SteppingEngineResource(FakeEngineResource):
+    def engine_for(self, manifest: JobManifest) -> Engine:
+        return stepping[0]
+
+
+stepping = [SteppingEngine()]  # the engine behind SteppingEngineResource
+
+
+def new_job(tmp_path: Path, rows: int = ROWS, **options: Any) -> JobDir:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
+    return prepare_job(src, str(tmp_path / "out.jsonl"), parse_options({"max_tokens": 8, **options}), tmp_path / "w")
+
+
+def checkpointed(job: JobDir) -> list[str]:
+    return [o.key for o in job.outcomes(0)]
+
+
+def test_a_stop_is_seen_at_the_next_engine_step_not_at_the_next_checkpoint(tmp_path: Path) -> None:
+    job = new_job(tmp_path)  # default checkpoint_rows (256): no checkpoint is due before the end
+    engine = SteppingEngine()
+    seen: list[tuple[int, int, int]] = []
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        seen.append((done, total, tokens))
+        live = live_progress(job, 0)
+        assert live is not None and (live.done, live.total) == (done, total)
+        if done == 5:
+            request_stop(job, "cancelled in the test")
+
+    with pytest.raises(JobStopped, match="cancelled in the test"):
+        run_shard(job, 0, lambda: engine, progress=progress)
+    assert engine.steps == 5, "the engine took no further step after the stop"
+    assert checkpointed(job) == [f"r{i}" for i in range(5)], "the finished rows were checkpointed"
+    assert engine.aborted, "the rows in flight were dropped"
+    assert [s[0] for s in seen] == list(range(6)), "progress followed every row"
+    assert all(s[1] == ROWS for s in seen) and seen[-1][2] > 0  # completion tokens so far
+    assert live_progress(job, 0) is None
+
+
+def test_a_stop_file_written_by_another_process_is_seen_within_a_fraction_of_a_second(tmp_path: Path) -> None:
+    job = new_job(tmp_path, checkpoint_rows=1000)
+    engine = SteppingEngine(step_s=0.02)
+    asked = {}
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        if done == 3 and not asked:
+            job.record_stop("cancelled elsewhere")  # the file alone, as another process writes it
+            asked["at"] = time.monotonic()
+
+    with pytest.raises(JobStopped, match="cancelled elsewhere"):
+        run_shard(job, 0, lambda: engine, progress=progress)
+    assert time.monotonic() - asked["at"] < stopping.DISK_CHECK_S + 0.2
+    assert engine.steps < ROWS and len(checkpointed(job)) == engine.steps
+
+
+def test_the_time_limit_stops_the_job_at_an_engine_step(tmp_path: Path) -> None:
+    job = new_job(tmp_path)
+    engine = SteppingEngine(step_s=0.01)
+    job.start_clock(0.15)
+    with pytest.raises(JobStopped, match="time limit"):
+        run_shard(job, 0, lambda: engine)
+    assert 0 < len(checkpointed(job)) == engine.steps < ROWS
+    assert "time limit" in json.loads(job.stop_path.read_text())["reason"]
+
+
+def test_a_signal_asks_the_job_to_stop_and_says_a_second_one_quits(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    job = new_job(tmp_path)
+    engine = SteppingEngine()
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        if done == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(JobStopped, match=r"cancelled by the user \(SIGINT\)"), stopping_on_signals(job):
+        run_shard(job, 0, lambda: engine, progress=progress)
+    assert signal.getsignal(signal.SIGINT) is before, "the previous handler is back"
+    assert len(checkpointed(job)) == engine.steps == 4
+    err = capfd.readouterr().err
+    assert "Ctrl-C again" in err and err.count("\n") == 1
+
+
+def test_an_engine_death_that_comes_with_a_stop_is_the_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = new_job(tmp_path)
+    monkeypatch.setattr(stopping, "ENGINE_DEATH_GRACE_S", 0.3)
+    with pytest.raises(EngineProcessDied), stopping_on_signals(job):
+        raise EngineProcessDied("killed")  # no stop: a fault of the engine, which a retry may fix
+    with pytest.raises(JobStopped, match="the user"), stopping_on_signals(job):
+        request_stop(job, "the user")
+        raise EngineProcessDied("killed by the same Ctrl-C")
+
+
+def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(ROWS)])
+    engine = stepping[0] = SteppingEngine(step_s=0.01)
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SteppingEngineResource())
+        job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"max_tokens": 8, "shards": 2})
+
+        def cancel_soon() -> None:
+            deadline = time.monotonic() + 30
+            while engine.steps < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            request_stop(job, "cancelled in the test")
+
+        threading.Thread(target=cancel_soon, daemon=True).start()
+        report = runner.run(job)
+        runner.close()
+        runs = instance.get_runs(dg.RunsFilter(job_name="shard_job"))
+        starts = [
+            e.step_key for run in runs for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
+        ]
+    assert report.status == "stopped_early" and report.failure_reason == "cancelled in the test"
+    assert 3 <= report.request_counts.completed < ROWS // 2
+    assert len(runs) == 1, "the second shard did not start"
+    assert starts.count("generations") == 1, "the stopped step was not retried"
