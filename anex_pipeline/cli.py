@@ -69,6 +69,15 @@ BOOL_HELP: dict[str, str] = {
 }
 
 
+# The steps of a command write straight to its terminal. Dagster's default capture of step output
+# copies it to the terminal through helper processes (tail and a Python watcher) in the terminal's
+# process group: a Ctrl-C would kill them, printing a KeyboardInterrupt traceback and losing every
+# line the step writes after it (the notice that the job is stopping included).
+TERMINAL_OUTPUT = {
+    "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}
+}
+
+
 class UsageError(Exception):
     """A mistake in the command line or the options file."""
 
@@ -215,13 +224,14 @@ def _json_arg(flag: str, text: str) -> Any:
 
 def _instance() -> Any:
     import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
 
     from anex_pipeline.models import cache_root
 
     home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.get()
+    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), overrides=TERMINAL_OUTPUT))
 
 
 class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]

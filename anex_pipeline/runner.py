@@ -31,7 +31,9 @@ from anex_pipeline.validate import parse_options
 
 log = logging.getLogger("anex_pipeline.progress")
 
-QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "ERROR"}}}
+# Dagster's console log stays silent: a failed step (a stopped job's among them) would print its
+# stack trace; the runner reports failures itself, in one line.
+QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "CRITICAL"}}}
 
 
 class StepFailed(Exception):
