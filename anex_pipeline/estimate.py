@@ -90,7 +90,9 @@ def _sample_and_bound(
         for r in sample
     ]
     started = time.monotonic()
-    outcomes = run_checked(engine_for(), requests, StopCheck(job))
+    stop = StopCheck(job)
+    stop()  # before the engine loads
+    outcomes = run_checked(engine_for(), requests, stop)
     seconds = time.monotonic() - started
     append_outcomes(job.sample_path, outcomes)
     done = [o for o in outcomes if o.ok]

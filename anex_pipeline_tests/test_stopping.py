@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,56 +17,16 @@ import pytest
 
 from anex_pipeline import stopping
 from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck
 from anex_pipeline.engine.watchdog import EngineProcessDied
 from anex_pipeline.generate import live_progress, run_shard
-from anex_pipeline.jobs import JobDir, JobManifest, prepare_job
+from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
 from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.stepping import SteppingEngine, SteppingEngineResource, stepping
 
 ROWS = 40
-
-
-class SteppingEngine(FakeEngine):
-    """Holds up to ``room`` rows in flight and finishes the oldest one per step, taking
-    ``step_s`` for it; rows still in flight when the stream ends early are recorded as aborted."""
-
-    def __init__(self, step_s: float = 0.0, room: int = 8):
-        super().__init__()
-        self.step_s, self.room = step_s, room
-        self.steps = 0
-        self.aborted: list[str] = []
-
-    def stream(
-        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
-    ) -> Iterator[list[RowOutcome]]:
-        source = iter(requests)
-        flight: list[EngineRequest] = []
-        try:
-            while True:
-                if stop is not None:
-                    stop()
-                while len(flight) < self.room and (req := next(source, None)) is not None:
-                    flight.append(req)
-                if not flight:
-                    return
-                time.sleep(self.step_s)
-                self.steps += 1
-                yield [self._one(flight.pop(0))]
-        finally:
-            self.aborted = [r.key for r in flight]
-
-
-class SteppingEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return stepping[0]
-
-
-stepping = [SteppingEngine()]  # the engine behind SteppingEngineResource
 
 
 def new_job(tmp_path: Path, rows: int = ROWS, **options: Any) -> JobDir:
@@ -180,3 +139,55 @@ def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) 
     assert 3 <= report.request_counts.completed < ROWS // 2
     assert len(runs) == 1, "the second shard did not start"
     assert starts.count("generations") == 1, "the stopped step was not retried"
+
+
+def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: Path) -> None:
+    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait, wait_for_rows
+
+    rows = 60
+    engine = stepping[0] = SteppingEngine(step_s=0.05)  # 3 s for the batch; default checkpoint_rows
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SteppingEngineResource())
+        with serving(runner) as url:
+            sdk = client(url)
+            batch = submit(sdk, src, {"max_tokens": 8})
+            wait_for_rows(sdk, batch.id, 5)  # counts follow the rows before any checkpoint is written
+            sdk.batches.cancel(batch.id)
+            asked = time.monotonic()
+            batch = wait(sdk, batch.id, timeout=20)
+            took = time.monotonic() - asked
+            output, errors = content(sdk, batch.output_file_id), content(sdk, batch.error_file_id)
+    assert batch.status == "cancelled" and took < 5
+    assert engine.steps < rows and engine.aborted
+    counts = batch.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (rows, len(output), len(errors))
+    assert 5 <= len(output) < rows and len(output) + len(errors) == rows
+    assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(len(output))]
+    assert [r["custom_id"] for r in errors] == [f"r{i}" for i in range(len(output), rows)], "input order"
+    assert {r["error"]["code"] for r in errors} == {"batch_cancelled"} and all(r["response"] is None for r in errors)
+
+
+def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait
+
+    rows = 30
+    stepping[0] = SteppingEngine(step_s=0.02)
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SteppingEngineResource())
+        with serving(runner) as url:
+            sdk = client(url)
+            register = JobRunner._register
+
+            def cancel_first(self: JobRunner, job: JobDir) -> None:  # the cancel comes as run() begins
+                if threading.current_thread().name == "batch-run" and not job.stop_path.exists():
+                    sdk.batches.cancel(batch.id)
+                register(self, job)
+
+            monkeypatch.setattr(JobRunner, "_register", cancel_first)
+            batch = submit(sdk, src, {"max_tokens": 8})
+            batch = wait(sdk, batch.id, timeout=20)
+            errors = content(sdk, batch.error_file_id)
+    assert batch.status == "cancelled"
+    assert len(errors) == rows and stepping[0].steps == 0, "no row ran after the cancel"

@@ -184,8 +184,8 @@ class BatchWorker:
                     return  # not finished: the next start resumes it
         finally:
             self._running = None
-        if record.cancelling_at is not None and job.estimate_path.exists():
-            self.runner.run(job, shards=[], clear_stop=False)  # cancelled: merge and publish what was finished
+        if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
+            self.runner.run(job, shards=[], clear_stop=False)
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
