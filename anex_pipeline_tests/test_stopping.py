@@ -17,10 +17,12 @@ import pytest
 
 from anex_pipeline import stopping
 from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.watchdog import EngineProcessDied
 from anex_pipeline.generate import live_progress, run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
 from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
@@ -191,3 +193,34 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
             errors = content(sdk, batch.error_file_id)
     assert batch.status == "cancelled"
     assert len(errors) == rows and stepping[0].steps == 0, "no row ran after the cancel"
+
+
+def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_in_flight() -> None:
+    from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
+    from anex_pipeline_tests.test_http_engine import FakeServer
+
+    server = FakeServer()
+    engine = OpenAIHttpEngine(HttpSettings(base_url=server.url, model_name="served-model", max_concurrency=4))
+    rows = [
+        EngineRequest(i, f"r{i}", f"id-{i}", "chat", {"messages": [{"role": "user", "content": "slow"}]})
+        for i in range(40)
+    ]  # each answer takes 0.2 s
+    finished: list[RowOutcome] = []
+    asked: list[float] = []
+
+    def stop() -> None:
+        if len(finished) >= 2:
+            asked.append(time.monotonic())
+            raise JobStopped("cancelled in the test")
+
+    try:
+        with pytest.raises(JobStopped):
+            for rows_done in engine.stream(rows, 256, stop):
+                finished.extend(rows_done)
+        took = time.monotonic() - asked[0]
+        sent = server.attempts["slow"]
+    finally:
+        engine.shutdown()
+        server.close()
+    assert took < 0.1, "the stream did not wait for the requests still in flight"
+    assert sent < 12, f"{sent} of 40 rows were sent"
