@@ -69,6 +69,28 @@ class Lines:
         return "".join(self.seen)
 
 
+VLLM_CHILD = re.compile(r"\((EngineCore|VllmWorker-\d+|Worker) pid=\d+\)")
+VLLM_CHILD_TRACE = re.compile(r"Process (EngineCore|VllmWorker)")
+
+
+def own_lines(stderr: str) -> str:
+    """The lines the command itself wrote, without those of vLLM's engine and worker processes.
+    A signal to the process group reaches those too: vLLM's worker exits at once, and an engine
+    process caught in the middle of a step logs a traceback of its own (vLLM 0.32)."""
+    kept, in_trace = [], False
+    for line in stderr.splitlines(keepends=True):
+        if VLLM_CHILD.match(line):
+            continue
+        if VLLM_CHILD_TRACE.match(line):
+            in_trace = True
+            continue
+        if in_trace:
+            in_trace = line.startswith((" ", "Traceback"))  # the exception's own line ends it
+            continue
+        kept.append(line)
+    return "".join(kept)
+
+
 def start(args: list[str], home: Path, **extra_env: str) -> subprocess.Popen[str]:
     env = {**os.environ, "DAGSTER_HOME": str(home), **extra_env}
     home.mkdir(exist_ok=True)
@@ -92,7 +114,7 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
     stderr = err.rest()
     assert code == 1, stderr
     assert took < 30, f"the run took {took:.1f} s to stop"
-    assert "Traceback" not in stderr, stderr
+    assert "Traceback" not in own_lines(stderr) and "KeyboardInterrupt" not in stderr, stderr
     assert "Ctrl-C again" in stderr
     report = json.loads(stdout)
     assert report["status"] == "stopped_early", report
@@ -167,7 +189,7 @@ def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path
     took = served.terminate(timeout=15)
     stderr = served.err.rest()
     assert took < 15, f"serve took {took:.1f} s to end"
-    assert "Traceback" not in stderr, stderr
+    assert "Traceback" not in own_lines(stderr), stderr
 
 
 def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path: Path) -> None:
@@ -202,4 +224,4 @@ def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path
     took = served.terminate(timeout=15)
     stderr = served.err.rest()
     assert took < 15, f"serve took {took:.1f} s to end"
-    assert "Traceback" not in stderr, stderr
+    assert "Traceback" not in own_lines(stderr), stderr
