@@ -101,7 +101,7 @@ class JobRunner:
                     failures.append(f"shard {shard}: {exc}")
             if failures and not job.stop_path.exists():
                 job.record_stop("; ".join(failures))
-        except _Interrupted:
+        except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError, _Interrupted):  # a signal outside generation
             request_stop(job, f"{USER_STOP} (interrupted)")
         except StepFailed as exc:
             if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
@@ -155,7 +155,7 @@ class JobRunner:
         )
         if not result.success:
             error = _first_error(result)
-            if error is not None and error.cls_name == "DagsterExecutionInterruptedError":
+            if error is not None and error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
                 raise _Interrupted()
             raise StepFailed(step_error_message(error) if error else f"{job_name} failed for {partition_key}")
 

@@ -224,3 +224,23 @@ def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_
         server.close()
     assert took < 0.1, "the stream did not wait for the requests still in flight"
     assert sent < 12, f"{sent} of 40 rows were sent"
+
+
+def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from anex_pipeline import media
+
+    def interrupted_fetch(*args: Any) -> dict[str, int]:
+        os.kill(os.getpid(), signal.SIGINT)  # Dagster's own handler is in place during this step
+        time.sleep(5)  # the handler raises first
+        raise AssertionError("the signal did not interrupt the step")
+
+    monkeypatch.setattr(media, "fetch_shard", interrupted_fetch)
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
+    stepping[0] = SteppingEngine()
+    with dg.DagsterInstance.ephemeral() as instance:
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SteppingEngineResource())
+        job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"max_tokens": 8})
+        report = runner.run(job)
+        runner.close()
+    assert report.status == "failed" and report.failure_reason == "cancelled by the user (interrupted)"
+    assert stepping[0].steps == 0
