@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -244,3 +246,21 @@ def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monk
         runner.close()
     assert report.status == "failed" and report.failure_reason == "cancelled by the user (interrupted)"
     assert stepping[0].steps == 0
+
+
+def test_a_second_signal_quits_at_once(tmp_path: Path) -> None:
+    script = (
+        "import os, signal, sys, time\n"
+        "from anex_pipeline.jobs import JobDir\n"
+        "from anex_pipeline.stopping import stopping_on_signals\n"
+        "job = JobDir(sys.argv[1], 'in-0123456789')\n"
+        "job.root.mkdir(parents=True)\n"
+        "with stopping_on_signals(job):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.splitlines()[0].startswith("[anex] stopping:") and "Traceback" not in done.stderr
+    assert "cancelled by the user (SIGINT)" in (tmp_path / "in-0123456789" / "stop.json").read_text()
