@@ -73,6 +73,15 @@ BOOL_HELP: dict[str, str] = {
 }
 
 
+# The steps of a command write straight to its terminal. Dagster's default capture of step output
+# copies it to the terminal through helper processes (tail and a Python watcher) in the terminal's
+# process group: a Ctrl-C would kill them, printing a KeyboardInterrupt traceback and losing every
+# line the step writes after it (the notice that the job is stopping included).
+TERMINAL_OUTPUT = {
+    "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}
+}
+
+
 class UsageError(Exception):
     """A mistake in the command line or the options file."""
 
@@ -248,6 +257,7 @@ def _instance() -> Any:
     import sqlite3
 
     import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
     from sqlalchemy.exc import DBAPIError
 
     from anex_pipeline.models import cache_root
@@ -261,7 +271,7 @@ def _instance() -> Any:
             settings = home / "dagster.yaml"
             if not settings.exists():  # without one Dagster prints a warning and a telemetry banner
                 settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
-            return dg.DagsterInstance.get()
+            return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), overrides=TERMINAL_OUTPUT))
     except (OSError, sqlite3.Error, DBAPIError) as exc:
         raise UsageError(
             f"{_storage_failure(exc)}; make room there (or make it writable), or set DAGSTER_HOME to another folder"
@@ -524,6 +534,9 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_REJECTED
+    except KeyboardInterrupt:  # Ctrl-C outside generation (which stops the job more gently)
+        print("stopped: cancelled by the user; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 def entry() -> None:

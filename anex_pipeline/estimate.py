@@ -21,6 +21,7 @@ from anex_pipeline.length_bound import upper_bound
 from anex_pipeline.media import attach_media
 from anex_pipeline.parsing import choose_parsers
 from anex_pipeline.spec import EstimateReport, RowOutcome
+from anex_pipeline.stopping import StopCheck
 
 GENEROUS_CAP = 1024
 
@@ -89,7 +90,9 @@ def _sample_and_bound(
         for r in sample
     ]
     started = time.monotonic()
-    outcomes = run_checked(engine_for(), requests)
+    stop = StopCheck(job)
+    stop()  # before the engine loads
+    outcomes = run_checked(engine_for(), requests, stop)
     seconds = time.monotonic() - started
     append_outcomes(job.sample_path, outcomes)
     done = [o for o in outcomes if o.ok]

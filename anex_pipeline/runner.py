@@ -26,17 +26,22 @@ from anex_pipeline.engine import release_engines
 from anex_pipeline.jobs import JobDir, JobManifest, prepare_job, unfinished_shards
 from anex_pipeline.merge import record_timing
 from anex_pipeline.spec import JobReport
+from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
 from anex_pipeline.validate import parse_options
 
 log = logging.getLogger("anex_pipeline.progress")
 
-# Step failures come back as StepFailed and are told in one line; at ERROR, Dagster would also
-# print each with its stack trace on stderr.
+# Dagster's console log stays silent: a failed step (a stopped job's among them) would print its
+# stack trace; the runner reports failures itself, in one line.
 QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "CRITICAL"}}}
 
 
 class StepFailed(Exception):
     """A Dagster step of the job failed; its message is the step's error."""
+
+
+class _Interrupted(Exception):
+    """A stop signal reached Dagster's own handler (between two steps) rather than the job's."""
 
 
 class JobRunner:
@@ -61,26 +66,34 @@ class JobRunner:
         self._execute("submit_job", job.job_id)
         return job
 
-    def run(self, job: JobDir, shards: Sequence[int] | None = None) -> JobReport:
-        """Estimate, generate the chosen shards (all by default), merge and publish."""
+    def run(self, job: JobDir, shards: Sequence[int] | None = None, *, clear_stop: bool = True) -> JobReport:
+        """Estimate, generate the chosen shards (all by default), merge and publish.
+
+        Running a job again resumes it, so an earlier stop is cleared first; a caller that
+        cleared it itself (and must not lose a stop asked since) passes ``clear_stop=False``.
+        """
         manifest = job.manifest()
         self._hold(job)
         try:
-            return self._run(job, manifest, shards)
+            return self._run(job, manifest, shards, clear_stop)
         finally:
             self._leases.pop(job.job_id).close()
             self._early_loads.discard(job.job_id)  # a later run of the job may load ahead again
 
-    def _run(self, job: JobDir, manifest: JobManifest, shards: Sequence[int] | None) -> JobReport:
+    def _run(self, job: JobDir, manifest: JobManifest, shards: Sequence[int] | None, clear: bool) -> JobReport:
         self._register(job)
-        job.stop_path.unlink(missing_ok=True)  # running again resumes a job that stopped before
+        if clear:
+            clear_stop(job)
         job.start_clock(manifest.job_options().time_limit_s)
         self._load_engine_early(job, manifest)
+        stop = StopCheck(job)
         try:
             self._execute("estimate_job", job.job_id)
             chosen = range(len(manifest.shards)) if shards is None else shards
             failures = []
             for shard in chosen:
+                if stop.asked() is not None:
+                    break
                 log.info("shard %d of %d", shard + 1, len(manifest.shards))
                 try:
                     self._execute("shard_job", job_shard_key(job.job_id, shard))
@@ -88,10 +101,11 @@ class JobRunner:
                     failures.append(f"shard {shard}: {exc}")
             if failures and not job.stop_path.exists():
                 job.record_stop("; ".join(failures))
-        except KeyboardInterrupt:
-            job.record_stop("cancelled by the user (interrupted)")
+        except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError, _Interrupted):  # a signal outside generation
+            request_stop(job, f"{USER_STOP} (interrupted)")
         except StepFailed as exc:
-            job.record_stop(str(exc))
+            if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
+                job.record_stop(str(exc))
         self._execute("finish_job", job.job_id)
         return JobReport.model_validate_json((job.root / "report.json").read_text())
 
@@ -140,11 +154,14 @@ class JobRunner:
             raise_on_error=False,
         )
         if not result.success:
-            raise StepFailed(_first_error(result) or f"{job_name} failed for {partition_key}")
+            error = _first_error(result)
+            if error is not None and error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
+                raise _Interrupted()
+            raise StepFailed(step_error_message(error) if error else f"{job_name} failed for {partition_key}")
 
 
-def _first_error(result: dg.ExecuteInProcessResult) -> str | None:
+def _first_error(result: dg.ExecuteInProcessResult) -> Any:
     for event in result.all_events:
         if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            return step_error_message(event.step_failure_data.error)
+            return event.step_failure_data.error
     return None

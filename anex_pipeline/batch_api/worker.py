@@ -3,10 +3,12 @@
 Two threads: one checks new batches (``JobRunner.submit``: a malformed file fails its batch with
 the line-numbered problems at once, even while another batch is generating), one runs checked
 batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster runs),
-sharing one loaded engine. A cancel writes the job's stop file, which generation checks between
-chunks; the job then ends early and the rows it finished are delivered. Closing the service stops
-the running job the same way but leaves the batch in progress: the next start resumes it from its
-checkpoints.
+sharing one loaded engine. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
+generation notices at its next engine step: the rows in flight are aborted, the finished ones are
+delivered, and every row that never ran is answered in the error file with ``batch_cancelled``
+(``batch_expired`` when the job ran out of its time limit). Closing the service (or SIGINT/SIGTERM
+to it) stops the running job the same way but leaves the batch in progress: the next start
+resumes it from its checkpoints.
 """
 
 from __future__ import annotations
@@ -15,20 +17,30 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
+from anex_pipeline.generate import live_progress
 from anex_pipeline.jobs import JobDir
 from anex_pipeline.merge import result_path
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobRejected, JobReport, RequestCounts
+from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
+from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
 MAX_ERRORS = 1000  # line-numbered problems kept on a failed batch
+CLOSE_WAIT_S = 30.0  # how long closing waits for the running job to stop and merge
+CANCELLED = "cancelled through the Batch API"
+SERVICE_STOPPED = "the Batch API service stopped; the batch resumes when it starts again"
+# Error of a row that never ran, by the code OpenAI gives it.
+UNRUN = {
+    "batch_cancelled": "the request was not run: the batch was cancelled before it ran",
+    "batch_expired": "the request was not run: the batch reached its time limit before it ran",
+}
 
 
 class BatchWorker:
@@ -46,24 +58,34 @@ class BatchWorker:
         self._counts: dict[Path, tuple[int, int, int]] = {}  # checkpoint -> (size, completed, failed)
 
     def start(self) -> None:
-        """Takes up the batches a previous start left unfinished, then waits for new ones."""
+        """Takes up the batches a previous start left unfinished, then waits for new ones. A stop
+        signal to the service stops the running job at once, before the server winds down."""
         for record in self.store.unfinished():
             self.enqueue(record)
+        on_stop_signals(self._wind_down)
         for thread in self._threads:
             thread.start()
 
     def close(self) -> None:
-        """Stops the running job at its next chunk (it resumes on the next start) and waits for it."""
-        self._closing.set()
-        running = self._running
-        if running is not None:
-            log.warning("waiting for batch job %s to stop at the end of its current chunk", running.job_id)
-            running.record_stop("the Batch API service stopped; the batch resumes when it starts again")
+        """Stops the running job (it resumes on the next start) and waits for it, unless it is
+        waiting for an engine load, which nothing can cut short."""
+        self._wind_down()
         self._checks.put(None)
         self._runs.put(None)
         for thread in self._threads:
+            if thread.is_alive() and engine_loading():
+                log.warning("closing while the engine loads: not waiting for it")
+                return
+            thread.join(CLOSE_WAIT_S)
             if thread.is_alive():
-                thread.join()
+                log.warning("closing without waiting any longer for %s", thread.name)
+
+    def _wind_down(self) -> None:
+        """Takes no new work and stops the running job; the next start resumes it."""
+        self._closing.set()
+        running = self._running
+        if running is not None:
+            request_stop(running, SERVICE_STOPPED)
 
     def enqueue(self, record: BatchRecord) -> None:
         (self._checks if record.job_id is None else self._runs).put(record.id)
@@ -74,22 +96,27 @@ class BatchWorker:
             return record
         record = self.store.update_batch(record.id, cancelling_at=now())
         if record.job_id is not None:
-            self.runner.storage.job(record.job_id).record_stop("cancelled through the Batch API")
+            request_stop(self.runner.storage.job(record.job_id), CANCELLED)
         return record
 
     # -- what a batch shows while it runs --------------------------------------------------------
     def progress(self, record: BatchRecord) -> tuple[RequestCounts, JobReport | None]:
-        """Row counts of the batch's job: from its report once finished, else from its checkpoints."""
+        """Row counts of the batch's job: once finished, those of its output and error files; while
+        it runs, those of the shard generating (live) and of the others' checkpoints."""
         if record.job_id is None:
             return RequestCounts(), None
         job = self.runner.storage.job(record.job_id)
         report_file = job.root / "report.json"
         if record.finished and report_file.exists():
             report = JobReport.model_validate_json(report_file.read_text())
-            return report.request_counts, report
+            counts = report.request_counts.model_copy()
+            if _unrun_code(record) is not None:  # the rows that never ran are in the error file
+                counts.failed = counts.total - counts.completed
+            return counts, report
         counts = RequestCounts(total=job.manifest().total_rows)
         for shard in range(len(job.manifest().shards)):
-            completed, failed = self._checkpoint_counts(job, shard)
+            live = live_progress(job, shard)
+            completed, failed = (live.done - live.failed, live.failed) if live else self._checkpoint_counts(job, shard)
             counts.completed += completed
             counts.failed += failed
         return counts, None
@@ -135,7 +162,7 @@ class BatchWorker:
             batch_id, job_id=job.job_id, model=job.manifest().model_name, in_progress_at=now()
         )
         if record.cancelling_at is not None:  # cancelled while it was being checked
-            job.record_stop("cancelled through the Batch API")
+            request_stop(job, CANCELLED)
         self._runs.put(batch_id)
 
     def _run(self, batch_id: str) -> None:
@@ -143,49 +170,53 @@ class BatchWorker:
         if record is None or record.finished or record.job_id is None:
             return
         job = self.runner.storage.job(record.job_id)
-        if record.cancelling_at is None:
-            self._running = job
-            try:
-                self.runner.run(job)
-            finally:
-                self._running = None
+        self._running = job
+        try:
+            # A stop left by an earlier start must not stop this run, but a cancel from now on
+            # must: so the stop is cleared before the record is read again, not by the runner.
+            clear_stop(job)
+            record = self.store.batch(batch_id) or record
             if self._closing.is_set():
-                return  # not finished: the next start resumes it
-        elif job.estimate_path.exists():
-            self.runner.run(job, shards=[])  # cancelled: merge and publish what was finished
+                return
+            if record.cancelling_at is None:
+                self.runner.run(job, clear_stop=False)
+                if self._closing.is_set():
+                    return  # not finished: the next start resumes it
+        finally:
+            self._running = None
+        if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
+            self.runner.run(job, shards=[], clear_stop=False)
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""
         report_file = job.root / "report.json"
         report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
-        files = self._deliver(record, job) if report is not None else {}
         if record.cancelling_at is not None:
-            self.store.update_batch(record.id, cancelled_at=now(), **files)
+            ended, unrun = "cancelled_at", "batch_cancelled"
         elif report is not None and report.status == "completed":
-            self.store.update_batch(record.id, completed_at=now(), **files)
+            ended, unrun = "completed_at", None
         elif job.out_of_time() is not None:
-            self.store.update_batch(record.id, expired_at=now(), **files)
+            ended, unrun = "expired_at", "batch_expired"
         else:
+            ended, unrun = "failed_at", None
+        files = self._deliver(record, job, unrun) if report is not None else {}
+        if ended == "failed_at":
             reason = report.failure_reason if report is not None else "the job ended without a report"
-            error = BatchError(code="job_failed", message=reason or "the job failed")
-            self.store.update_batch(record.id, errors=[error], failed_at=now(), **files)
+            files["errors"] = [BatchError(code="job_failed", message=reason or "the job failed")]
+        self.store.update_batch(record.id, **{ended: now()}, **files)
 
-    def _deliver(self, record: BatchRecord, job: JobDir) -> dict[str, str]:
-        """Writes rows with a response to the output file and rows with an error to the error file."""
+    def _deliver(self, record: BatchRecord, job: JobDir, unrun: str | None) -> dict[str, Any]:
+        """Writes rows with a response to the output file and rows with an error to the error
+        file; with ``unrun`` (an error code), every row that never ran is in the error file too."""
         out_path = self.store.scratch(f"{record.id}_output.jsonl")
         err_path = self.store.scratch(f"{record.id}_error.jsonl")
         rows = {"output_file_id": 0, "error_file_id": 0}
-        with (
-            result_path(job).open(encoding="utf-8") as src,
-            out_path.open("w", encoding="utf-8") as out,
-            err_path.open("w", encoding="utf-8") as err,
-        ):
-            for line in src:
-                failed = json.loads(line)["error"] is not None
+        with out_path.open("w", encoding="utf-8") as out, err_path.open("w", encoding="utf-8") as err:
+            for line, failed in _result_lines(job, unrun):
                 (err if failed else out).write(line)
                 rows["error_file_id" if failed else "output_file_id"] += 1
-        delivered = {}
+        delivered: dict[str, Any] = {}
         for field, path in (("output_file_id", out_path), ("error_file_id", err_path)):
             if rows[field]:
                 delivered[field] = self.store.add_file(record.owner, path.name, "batch_output", path).id
@@ -208,3 +239,30 @@ class BatchWorker:
         record = self.store.batch(batch_id)
         if record is not None and not record.finished:
             self.store.update_batch(batch_id, errors=[BatchError(code="job_failed", message=message)], failed_at=now())
+
+
+def _unrun_code(record: BatchRecord) -> str | None:
+    """The error code the rows of a finished batch that never ran were given, if any."""
+    if record.cancelled_at is not None:
+        return "batch_cancelled"
+    return "batch_expired" if record.expired_at is not None else None
+
+
+def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
+    """The job's result lines, each with whether it is an error. With ``unrun``, a row that never
+    ran gets an error line with that code, in its place in input order."""
+    with result_path(job).open(encoding="utf-8") as src:
+        if unrun is None:
+            for line in src:
+                yield line, json.loads(line)["error"] is not None
+            return
+        error = RowError(message=UNRUN[unrun], type="batch_error", code=unrun).as_dict()
+        for shard in range(len(job.manifest().shards)):
+            answered = {o.i for o in job.outcomes(shard)}  # the rows the result has a line for
+            for row in job.read_requests(shard):
+                if row.index in answered:
+                    line = next(src)
+                    yield line, json.loads(line)["error"] is not None
+                else:
+                    line = {"id": f"batch_req_{row.key}", "custom_id": row.key, "response": None, "error": error}
+                    yield json.dumps(line) + "\n", True

@@ -7,6 +7,8 @@ function, and describes what happened as metadata. Rows never travel through an 
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -17,15 +19,17 @@ from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.estimate import estimate_lengths
-from anex_pipeline.generate import JobStopped, run_shard
+from anex_pipeline.generate import run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.ledger import account_rows
 from anex_pipeline.merge import merge_job, nothing_delivered, record_timing, result_path
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.stopping import JobStopped, load_interruptibly, stopping_on_signals
 from anex_pipeline.storage import localize_input, publish
 from anex_pipeline.validate import parse_options
 
 GROUP = "batch_job"
+PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often
 progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
@@ -50,6 +54,17 @@ def _job(context: dg.AssetExecutionContext, storage: StorageResource) -> JobDir:
     if not job.exists():
         raise dg.Failure(f"job {job.job_id} has not been submitted: materialize validated_input for it first")
     return job
+
+
+@contextmanager
+def _stoppable(job: JobDir) -> Iterator[None]:
+    """Stop signals stop the job; a stopped job fails its step for good (retries are for engine
+    faults, not for a job that was told to stop)."""
+    try:
+        with stopping_on_signals(job):
+            yield
+    except JobStopped as exc:
+        raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
 
 
 def _shard(context: dg.AssetExecutionContext) -> int:
@@ -128,7 +143,8 @@ def length_estimate(
 ) -> dg.MaterializeResult:
     job = _job(context, storage)
     started = time.monotonic()
-    report, stats = estimate_lengths(job, lambda: engine.engine_for(job.manifest()))
+    with _stoppable(job):
+        report, stats = estimate_lengths(job, lambda: load_interruptibly(lambda: engine.engine_for(job.manifest())))
     record_timing(job, "estimate", time.monotonic() - started)
     return dg.MaterializeResult(metadata={**report.model_dump(), **stats})
 
@@ -151,15 +167,18 @@ def generations(
     if shard >= len(manifest.shards):
         return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
 
-    def progress(done: int, total: int) -> None:
-        report = ShardProgress(job.job_id, shard, done, total)
-        progress_log.info("shard %s: %d/%d rows", shard, done, total, extra={PROGRESS_FIELD: report})
-        context.log.info(f"{done}/{total} rows done")
+    last_line = [0.0]
 
-    try:
+    def progress(done: int, total: int, tokens: int) -> None:
+        report = ShardProgress(job.job_id, shard, done, total, tokens)  # the command's display, at every row
+        progress_log.info("shard %s: %d/%d rows", shard, done, total, extra={PROGRESS_FIELD: report})
+        now = time.monotonic()
+        if now - last_line[0] >= PROGRESS_EVERY_S or done == total:
+            last_line[0] = now
+            context.log.info(f"{done}/{total} rows done, {tokens} tokens generated")
+
+    with _stoppable(job):
         summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
-    except JobStopped as exc:  # cancelled or out of time: retrying would not help
-        raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     return dg.MaterializeResult(metadata=summary.as_metadata())

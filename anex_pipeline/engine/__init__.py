@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 progress = logging.getLogger("anex_pipeline.progress")
+RELEASE_WAIT_S = 5.0  # how long releasing waits for a load in progress before leaving it
 _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}
 
@@ -51,10 +52,16 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
 
 
 def release_engines() -> None:
-    """Shuts down every engine this process loaded."""
-    with _lock:
+    """Shuts down every engine this process loaded. An engine still loading is left alone: the
+    load cannot be cut short, and a process that is ending must not wait minutes for it."""
+    if not _lock.acquire(timeout=RELEASE_WAIT_S):
+        progress.info("an engine is still loading; not waiting for it")
+        return
+    try:
         while _loaded:
             _shutdown(_loaded.popitem()[1])
+    finally:
+        _lock.release()
 
 
 def _shutdown(engine: Engine) -> None:

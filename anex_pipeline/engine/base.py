@@ -80,6 +80,12 @@ class Engine(Protocol):
         ...
 
 
+# Called by an engine's ``stream`` once per engine step (each scheduler step, each finished HTTP
+# request, each group for an engine without steps); it raises to stop the stream, which then
+# aborts the rows still in flight. It must be cheap: see anex_pipeline.stopping.StopCheck.
+StopCheck = Callable[[], None]
+
+
 def resolve_request(
     row: InputRow,
     job_id: str,
@@ -120,22 +126,32 @@ def resolve_request(
     )
 
 
-def run_checked(engine: Engine, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
-    """Runs the requests and applies the after-generation checks (cap reached, format) to each."""
-    outcomes = engine.run(requests)
+def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopCheck | None = None) -> list[RowOutcome]:
+    """Runs the requests and applies the after-generation checks (cap reached, format) to each;
+    ``stop`` is checked per engine step when the engine streams, else before it starts."""
+    stream = getattr(engine, "stream", None)
+    if stop is not None and stream is not None:
+        outcomes = collect(lambda reqs, rows: stream(reqs, rows, stop), requests)
+    else:
+        if stop is not None:
+            stop()
+        outcomes = engine.run(requests)
     return [mark_completion(o, r.response_format, r.endpoint) for o, r in zip(outcomes, requests, strict=True)]
 
 
 def stream_checked(
-    engine_for: Callable[[], Engine], requests: Iterable[EngineRequest], group_rows: int
+    engine_for: Callable[[], Engine],
+    requests: Iterable[EngineRequest],
+    group_rows: int,
+    stop: StopCheck | None = None,
 ) -> Iterator[list[RowOutcome]]:
-    """Runs the requests and yields their checked outcomes in groups of about ``group_rows``, in
-    the order rows finish.
+    """Runs the requests and yields their checked outcomes as they finish.
 
-    An engine with a ``stream`` method is kept busy across groups (it pulls requests as it has
-    room, so the batch never drains between checkpoints); any other engine runs one group at a
-    time. Closing the generator early lets the engine drop the rows still in flight. The engine
-    is asked for only once there is a request for it.
+    An engine with a ``stream`` method is kept busy (it pulls requests as it has room, about
+    ``group_rows`` of them at a time, so the batch never drains) and hands back the rows that
+    each of its steps finished; any other engine runs ``group_rows`` rows at a time. ``stop`` is
+    checked per engine step. Closing the generator early, or a stop, lets the engine drop the rows
+    still in flight. The engine is asked for only once there is a request for it.
     """
     asked: dict[int, EngineRequest] = {}
     pending = iter(requests)
@@ -149,8 +165,13 @@ def stream_checked(
             yield req
 
     engine = engine_for()
+    if stop is not None:
+        stop()  # a stop that came while the engine loaded
     stream = getattr(engine, "stream", None)
-    groups = stream(recorded(), group_rows) if stream is not None else _in_groups(engine, recorded(), group_rows)
+    if stream is not None:
+        groups = stream(recorded(), group_rows, stop)
+    else:
+        groups = _in_groups(engine, recorded(), group_rows, stop)
     try:
         for group in groups:
             checked = []
@@ -170,8 +191,15 @@ def collect(
     return [outcomes[r.index] for r in requests]
 
 
-def _in_groups(engine: Engine, requests: Iterator[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
-    while group := list(itertools.islice(requests, group_rows)):
+def _in_groups(
+    engine: Engine, requests: Iterator[EngineRequest], group_rows: int, stop: StopCheck | None
+) -> Iterator[list[RowOutcome]]:
+    while True:
+        if stop is not None:
+            stop()
+        group = list(itertools.islice(requests, group_rows))
+        if not group:
+            return
         yield engine.run(group)
 
 

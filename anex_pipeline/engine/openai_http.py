@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from anex_pipeline.completions import unit_vector
-from anex_pipeline.engine.base import EngineRequest, collect
+from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
 from anex_pipeline.http_retry import retry_after_seconds
 from anex_pipeline.spec import RowError, RowOutcome
 
@@ -32,6 +32,7 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completion
 # An error type that is already an OpenAI-style failure class ("invalid_request_error"), as
 # opposed to an exception name such as vLLM's "BadRequestError".
 _OPENAI_ERROR_TYPE = re.compile(r"[a-z]+(_[a-z]+)*")
+STOP_POLL_S = 0.2  # longest wait between two stop checks while requests are in flight
 
 
 @dataclass(frozen=True)
@@ -111,31 +112,31 @@ class OpenAIHttpEngine:
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
         return collect(self.stream, requests)
 
-    def stream(self, requests: Iterable[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
-        """Sends a row whenever a slot frees up, so ``max_concurrency`` requests stay in flight
-        across groups, and yields finished rows in groups of about ``group_rows``. Closing the
-        generator early sends nothing more and waits only for the requests already sent."""
+    def stream(
+        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
+    ) -> Iterator[list[RowOutcome]]:
+        """Sends a row whenever a slot frees up, so ``max_concurrency`` requests stay in flight,
+        and yields rows as they finish (``group_rows`` plays no part here). ``stop`` is called
+        whenever requests finish, and at least every :data:`STOP_POLL_S` while none does. When it
+        raises, or the generator is closed early, nothing more is sent and the answers of the
+        requests still in flight are dropped without waiting for them."""
         source = iter(requests)
         room = self.settings.max_concurrency
-        done: list[RowOutcome] = []
-        with ThreadPoolExecutor(max_workers=room) as pool:
-            flying: set[Future[RowOutcome]] = set()
-            try:
-                while True:
-                    while len(flying) < room and (req := next(source, None)) is not None:
-                        flying.add(pool.submit(self._run_one, req))
-                    if not flying:
-                        break
-                    finished, flying = wait(flying, return_when=FIRST_COMPLETED)
-                    done.extend(f.result() for f in finished)
-                    if len(done) >= group_rows:
-                        yield done
-                        done = []
-                if done:
-                    yield done
-            finally:
-                for f in flying:
-                    f.cancel()
+        pool = ThreadPoolExecutor(max_workers=room)
+        flying: set[Future[RowOutcome]] = set()
+        try:
+            while True:
+                while len(flying) < room and (req := next(source, None)) is not None:
+                    flying.add(pool.submit(self._run_one, req))
+                if not flying:
+                    break
+                finished, flying = wait(flying, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
+                if finished:
+                    yield [f.result() for f in finished]
+                if stop is not None:
+                    stop()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _run_one(self, req: EngineRequest) -> RowOutcome:
         body = request_body(req, self.model_name)

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
-from anex_pipeline.engine.base import NON_SAMPLING_KEYS, EngineRequest, collect, engine_failure, rejected
+from anex_pipeline.engine.base import (
+    NON_SAMPLING_KEYS,
+    EngineRequest,
+    StopCheck,
+    collect,
+    engine_failure,
+    rejected,
+)
 from anex_pipeline.engine.watchdog import EngineProcessDied, watch_engine
 from anex_pipeline.parsing import (
     NOTICE_TEXT,
@@ -279,16 +286,23 @@ class VllmLocalEngine:
             self.dead = True
             raise
 
-    def stream(self, requests: Iterable[EngineRequest], group_rows: int) -> Iterator[list[RowOutcome]]:
+    def stream(
+        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
+    ) -> Iterator[list[RowOutcome]]:
         """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
-        the engine has room, and finished rows come back in groups of about ``group_rows`` (in the
-        order they finish). A row vLLM refuses fails alone; closing the generator early aborts the
-        rows still in flight."""
+        the engine has room (at least ``group_rows`` in flight), and the rows each engine step
+        finished come back after that step. A row vLLM refuses fails alone. ``stop`` is called
+        before every step; when it raises, or the generator is closed early, the rows still in
+        flight are aborted."""
         source = iter(requests)
         if self.settings.runner == "pooling":
-            while group := list(itertools.islice(source, group_rows)):
+            while True:
+                if stop is not None:
+                    stop()
+                group = list(itertools.islice(source, group_rows))
+                if not group:
+                    return
                 yield self._embed(group)
-            return
         engine = self.llm.llm_engine
         room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
         flights: dict[str, _Flight] = {}
@@ -297,6 +311,8 @@ class VllmLocalEngine:
         try:
             with self._watched():
                 while more or flights:
+                    if stop is not None:
+                        stop()
                     while more and len(flights) < room:
                         req = next(source, None)
                         more = req is not None
@@ -306,7 +322,7 @@ class VllmLocalEngine:
                         for out in engine.step():
                             if out.finished:
                                 self._land(flights.pop(out.request_id), out, flights, done)
-                    if len(done) >= group_rows or (done and not (more or flights)):
+                    if done:
                         yield done
                         done = []
         finally:
