@@ -86,7 +86,7 @@ def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path
             metadata = redone[partition]
             assert metadata["kept_from_earlier_runs"] == 2 and metadata["generated"] == 2
             assert metadata["completed"] == 4 and metadata["failed"] == 0
-            assert metadata["log"][0] == "2/4 rows done" and metadata["log"][-1] == "4/4 rows done"
+            assert metadata["log"][0].startswith("2/4 rows done") and metadata["log"][-1].startswith("4/4 rows done")
 
     assert unfinished_shards(job) == []
 
@@ -96,7 +96,7 @@ def generations_metadata(instance: dg.DagsterInstance, run: dg.DagsterRun) -> di
     records = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
     [generated] = [r.asset_materialization for r in records if r.asset_key == generations.key]
     assert generated and generated.partition == run.tags["dagster/partition"]
-    log = [e.user_message for e in instance.all_logs(run.run_id) if e.user_message.endswith("rows done")]
+    log = [e.user_message for e in instance.all_logs(run.run_id) if " rows done" in e.user_message]
     return {**{k: v.value for k, v in generated.metadata.items()}, "log": log}
 
 
