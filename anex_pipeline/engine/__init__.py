@@ -12,6 +12,7 @@ from anex_pipeline.engine.vllm_local import EngineSettings
 
 __all__ = [
     "Engine",
+    "EngineLoadFailed",
     "EngineRequest",
     "EngineSettings",
     "HttpSettings",
@@ -24,11 +25,19 @@ progress = logging.getLogger("anex_pipeline.progress")
 RELEASE_WAIT_S = 5.0  # how long releasing waits for a load in progress before leaving it
 _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}
+_ended: dict[EngineSettings, int] = {}  # loads of these settings that ended, loaded or not
+_failed: dict[EngineSettings, str] = {}  # why the latest load of these settings failed
+
+
+class EngineLoadFailed(Exception):
+    """The engine could not be loaded (e.g. the model is missing, its configuration is not one
+    vLLM accepts, or memory ran out): loading it again with the same settings fails the same way."""
 
 
 def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
     first so two models never hold memory at once. An HTTP engine is only a client of its server."""
+    seen = _ended.get(settings, 0) if isinstance(settings, EngineSettings) else 0
     with _lock:
         if settings in _loaded and getattr(_loaded[settings], "dead", False):
             progress.info("the engine for %s died; loading it again", _loaded[settings].model_name)
@@ -43,9 +52,23 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             _shutdown(_loaded.pop(other))
         from anex_pipeline.engine.vllm_local import VllmLocalEngine
 
+        if _ended.get(settings, 0) > seen and settings in _failed:  # the load waited for just failed
+            raise EngineLoadFailed(_failed[settings])
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
-        engine = VllmLocalEngine(settings)
+        try:
+            engine = VllmLocalEngine(settings)
+        except Exception as exc:
+            from anex_pipeline.stopping import JobStopped
+
+            _ended[settings] = _ended.get(settings, 0) + 1
+            if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
+                _failed.pop(settings, None)
+                raise
+            _failed[settings] = f"the engine could not load {settings.model_name}: {' '.join(str(exc).split())[:600]}"
+            raise EngineLoadFailed(_failed[settings]) from exc
+        _ended[settings] = _ended.get(settings, 0) + 1
+        _failed.pop(settings, None)
         progress.info("engine ready in %.1f s", time.monotonic() - started)
         _loaded[settings] = engine
         return engine
