@@ -26,7 +26,7 @@ import dagster as dg
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.defs.partitions import JOBS
-from anex_pipeline.defs.sensors import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job, try_lease
+from anex_pipeline.defs.sensors import IN_FLIGHT, LAUNCHED_BY_TAG, driven_by_cli, job_of_run, runs_of_job, try_lease
 from anex_pipeline.jobs import JobDir
 from anex_pipeline.spec import JobReport
 
@@ -87,18 +87,10 @@ def in_flight_jobs(instance: dg.DagsterInstance) -> set[str]:
 
 
 def job_status(job: JobDir, in_flight: set[str]) -> str:
-    if job.job_id in in_flight or _lease_held(job):
+    if job.job_id in in_flight or driven_by_cli(job):
         return "running"
     report = job.root / "report.json"
     return JobReport.model_validate_json(report.read_text()).status if report.exists() else "unfinished"
-
-
-def _lease_held(job: JobDir) -> bool:
-    lease = try_lease(job)
-    if lease is None:
-        return True
-    lease.close()
-    return False
 
 
 def list_jobs(instance: dg.DagsterInstance, work_root: Path) -> list[JobEntry]:

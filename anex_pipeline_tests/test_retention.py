@@ -18,14 +18,16 @@ import pytest
 
 from anex_pipeline import cli
 from anex_pipeline.batch_api.store import Store
+from anex_pipeline.definitions import build_definitions
 from anex_pipeline.defs import resources
 from anex_pipeline.defs.partitions import JOBS, job_shard_partitions
+from anex_pipeline.defs.retention import RetentionSettings
 from anex_pipeline.defs.sensors import runs_of_job
 from anex_pipeline.jobs import JobDir
 from anex_pipeline.retention import parse_age, prune
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MAX_SHARDS
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource
 from anex_pipeline_tests.test_batch_api import KEY_B, client, serving, slow_runner, submit, wait
 
@@ -273,3 +275,21 @@ def test_expired_files_answer_404_and_prune_removes_them_and_their_jobs(tmp_path
         again = sdk.batches.retrieve(batch.id)  # the batch object stays, with its counts
         assert again.status == "completed" and again.request_counts and again.request_counts.completed == 2
         assert prune(instance, work, None, at=now + 7300) == []
+
+
+def test_the_prune_schedule_runs_prune_with_its_age_setting(tmp_path: Path, fake_runner: JobRunner) -> None:
+    old = run_job(fake_runner, write_jsonl(tmp_path / "old.jsonl", [chat_row("a", "hi")]), tmp_path / "o.jsonl")
+    new = run_job(fake_runner, write_jsonl(tmp_path / "new.jsonl", [chat_row("b", "hi")]), tmp_path / "n.jsonl")
+    work = Path(fake_runner.storage.work_root)
+    make_old(work / old.job_id, 3 * DAY)
+    defs = build_definitions(fake_runner.storage, FakeEngineResource(), retention=RetentionSettings(max_age="2d"))
+    schedule = defs.resolve_schedule_def("prune_old_jobs")
+    assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
+    with dg.build_schedule_context(instance=fake_runner.instance) as context:
+        (request,) = schedule.evaluate_tick(context).run_requests or []
+    assert schedule.job_name == "prune_job"
+    result = defs.resolve_job_def("prune_job").execute_in_process(instance=fake_runner.instance, tags=request.tags)
+    assert result.success
+    assert not (work / old.job_id).exists() and (work / new.job_id).is_dir()
+    assert fake_runner.instance.get_dynamic_partitions(JOBS) == [new.job_id]
+    assert (tmp_path / "o.jsonl").is_file()
