@@ -418,6 +418,7 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
 
     from sqlalchemy.exc import DBAPIError
 
+    from anex_pipeline.console import close_progress
     from anex_pipeline.runner import StepFailed
 
     resume = (
@@ -438,6 +439,7 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
         print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
         return EXIT_STOPPED
     finally:
+        close_progress()
         runner.close()
     return _finish(report)
 
