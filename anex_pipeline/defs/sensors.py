@@ -88,6 +88,16 @@ def take_lease(job: JobDir) -> IO[bytes]:
     return lease
 
 
+def try_lease(job: JobDir) -> IO[bytes] | None:
+    """The job's lease if no live process holds it (kept until the returned file is closed), else None."""
+    job.root.mkdir(parents=True, exist_ok=True)
+    lease = (job.root / LEASE_NAME).open("ab")
+    if _lock(lease, fcntl.LOCK_EX):
+        return lease
+    lease.close()
+    return None
+
+
 def driven_by_cli(job: JobDir) -> bool:
     """True while a live process holds the job's lease (a lease file left by a dead one is free)."""
     try:
@@ -133,7 +143,7 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         if dims["job"] in jobs:
             jobs[dims["job"]].shards[int(dims["shard"])] = sid
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
-        job_id = run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+        job_id = job_of_run(run)
         if job_id not in jobs:
             continue
         if run.tags.get(LAUNCHED_BY_TAG) == "cli":  # live only while its process holds the lease
@@ -141,6 +151,19 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         else:
             jobs[job_id].busy = True
     return list(jobs.values())
+
+
+def job_of_run(run: dg.DagsterRun) -> str | None:
+    """The job a run works on, from its partition tags (a shard run names it in its job dimension)."""
+    return run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+
+
+def runs_of_job(instance: dg.DagsterInstance, job_id: str) -> list[dg.DagsterRun]:
+    """Every run of one job: its job-level steps and its shards."""
+    runs = {}
+    for tags in ({PARTITION_TAG: job_id}, {JOB_DIMENSION_TAG: job_id}):
+        runs.update({run.run_id: run for run in instance.get_runs(filters=dg.RunsFilter(tags=tags))})
+    return list(runs.values())
 
 
 @dataclass(frozen=True)
