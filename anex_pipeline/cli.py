@@ -11,6 +11,7 @@ import atexit
 import json
 import logging
 import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -131,9 +132,7 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
         path = str(sidecar)
     if path:
         try:
-            loaded = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise UsageError(f"cannot read options file {path}: {exc.strerror}") from None
+            loaded = json.loads(_read_regular_file(path, "options file"))
         except json.JSONDecodeError as exc:
             raise UsageError(
                 f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
@@ -160,12 +159,27 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
+def _read_regular_file(path: str, what: str) -> str:
+    """The UTF-8 text of a regular file. Anything else (a FIFO, a device, a folder) is refused
+    without waiting: it is opened non-blocking, and only read once it is known to be a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{what} {path} is not a regular file (a FIFO, device or folder); name a JSON file")
+        try:
+            return f.read().decode("utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+
+
 def _json_arg(flag: str, text: str) -> Any:
     if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"{flag}: cannot read {text[1:]}: {exc.strerror}") from None
+        text = _read_regular_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -235,7 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def run() -> Any:
         log = logging.getLogger("anex_pipeline.progress")
         log.info("checking %s", args.input)
-        job = runner.submit(args.input, args.output, raw, args.report)
+        job = runner.submit(args.input, args.output, raw, args.report, options_file=args.options)
         manifest = job.manifest()
         log.info(
             "job %s: %d rows in %d shard(s), model %s",

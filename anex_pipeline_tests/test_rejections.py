@@ -231,7 +231,100 @@ CASES = [
         line=2,
         field="body.response_format",
     ),
+    # --- numbers the engine cannot take ---------------------------------------------------------
+    case("seed-beyond-64-bits", jsonl_bytes(GOOD, chat("r2", seed=18446744073709551621)), line=2, field="body.seed"),
+    case("seed-below-64-bits", jsonl_bytes(GOOD, chat("r2", seed=-(2**63) - 1)), line=2, field="body.seed"),
+    case("max-tokens-zero", jsonl_bytes(GOOD, chat("r2", max_tokens=0)), line=2, field="body.max_tokens"),
+    case("max-tokens-huge", jsonl_bytes(GOOD, chat("r2", max_tokens=10**20)), line=2, field="body.max_tokens"),
+    case(
+        "max-completion-tokens-huge",
+        jsonl_bytes(GOOD, chat("r2", max_completion_tokens=2**31)),
+        line=2,
+        field="body.max_completion_tokens",
+    ),
+    case("top-k-below-minus-one", jsonl_bytes(GOOD, chat("r2", top_k=-2)), line=2, field="body.top_k"),
+    case("min-tokens-negative", jsonl_bytes(GOOD, chat("r2", min_tokens=-1)), line=2, field="body.min_tokens"),
+    case(
+        "completions-seed-beyond-64-bits",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", seed=2**64)),
+        line=2,
+        field="body.seed",
+    ),
+    case(
+        "logit-bias-key-not-a-token",
+        jsonl_bytes(GOOD, chat("r2", logit_bias={"hello": 5})),
+        line=2,
+        field="body.logit_bias.hello",
+    ),
+    case(
+        "logit-bias-beyond-100",
+        jsonl_bytes(GOOD, chat("r2", logit_bias={"42": 1000})),
+        line=2,
+        field="body.logit_bias.42",
+    ),
+    case("logit-bias-a-list", jsonl_bytes(GOOD, chat("r2", logit_bias=[1, 2])), line=2, field="body.logit_bias"),
+    case(
+        "temperature-1e999",
+        jsonl_bytes(GOOD, json.dumps(chat("r2", temperature=0.5)).replace("0.5", "1e999")),
+        line=2,
+        field="body.temperature",
+        says=("finite",),
+    ),
+    case(
+        "presence-penalty-minus-1e999",
+        jsonl_bytes(GOOD, json.dumps(chat("r2", presence_penalty=0.5)).replace("0.5", "-1e999")),
+        line=2,
+        field="body.presence_penalty",
+    ),
+    case(
+        "logit-bias-value-1e999",
+        jsonl_bytes(GOOD, json.dumps(chat("r2", logit_bias={"42": 0.5})).replace("0.5", "1e999")),
+        line=2,
+        field="body.logit_bias.42",
+    ),
+    case(
+        "infinity-deep-in-response-format",
+        jsonl_bytes(
+            GOOD,
+            json.dumps(chat("r2", response_format=schema_format({"name": "x", "schema": {"maximum": 0.5}}))).replace(
+                "0.5", "1e999"
+            ),
+        ),
+        line=2,
+        field="body.response_format.json_schema.schema.maximum",
+    ),
+    # --- logprobs -------------------------------------------------------------------------------
+    case("logprobs-true", jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=3)), line=2, field="body.logprobs"),
+    case(
+        "top-logprobs-without-logprobs",
+        jsonl_bytes(GOOD, chat("r2", top_logprobs=3)),
+        line=2,
+        field="body.top_logprobs",
+        says=("not supported",),
+    ),
+    case(
+        "completions-logprobs-count",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=3)),
+        line=2,
+        field="body.logprobs",
+        says=("not supported",),
+    ),
     # --- job options ----------------------------------------------------------------------------
+    case("option-seed-beyond-64-bits", jsonl_bytes(GOOD), options={"seed": 2**64 + 5}, field="seed"),
+    case("flag-seed-beyond-64-bits", jsonl_bytes(GOOD), flags=("--seed", "18446744073709551621"), field="seed"),
+    case("option-top-k-below-minus-one", jsonl_bytes(GOOD), options={"top_k": -7}, field="top_k"),
+    case("option-max-tokens-huge", jsonl_bytes(GOOD), flags=("--max-tokens", str(2**40)), field="max_tokens"),
+    case("option-temperature-1e999", jsonl_bytes(GOOD), options=b'{"temperature": 1e999}', field="temperature"),
+    case("option-penalty-nan", jsonl_bytes(GOOD), options=b'{"presence_penalty": NaN}', field="presence_penalty"),
+    case("flag-temperature-inf", jsonl_bytes(GOOD), flags=("--temperature", "inf"), field="temperature"),
+    case("flag-top-p-nan", jsonl_bytes(GOOD), flags=("--top-p", "nan"), field="top_p", says=("finite",)),
+    case("set-temperature-infinity", jsonl_bytes(GOOD), flags=("--set", "temperature=Infinity"), field="temperature"),
+    case(
+        "option-media-timeout-inf",
+        jsonl_bytes(GOOD),
+        options=b'{"media": {"timeout_s": Infinity}}',
+        field="media.timeout_s",
+    ),
     case("unknown-option", jsonl_bytes(GOOD), options={"max_tokenz": 5}, field="max_tokenz", says=("max_tokens",)),
     case("options-not-json", jsonl_bytes(GOOD), options=b"max_tokens: 5\n", says=("not valid JSON",)),
     case("options-a-list", jsonl_bytes(GOOD), options=b'[{"max_tokens": 5}]', says=("JSON object",)),
@@ -352,6 +445,54 @@ CASES = [
         says=("nothing to embed",),
     ),
     case(
+        "parquet-output-column",
+        parquet_writer({"prompt": ["a", "b"], "output": ["x", "y"]}),
+        name="in.parquet",
+        field="output",
+        says=("rename",),
+    ),
+    case(
+        "parquet-error-type-column",
+        parquet_writer({"id": [1, 2], "prompt": ["a", "b"], "error_type": ["x", "y"]}),
+        name="in.parquet",
+        field="error_type",
+        says=("rename",),
+    ),
+    case(
+        "parquet-row-index-without-id",
+        parquet_writer({"prompt": ["a", "b"], "row_index": [7, 8]}),
+        name="in.parquet",
+        field="row_index",
+        says=("rename",),
+    ),
+    case(
+        "parquet-embedding-column-of-embeddings-job",
+        parquet_writer({"text": ["a", "b"], "embedding": [[0.5], [0.25]]}),
+        name="in.parquet",
+        field="embedding",
+        says=("rename",),
+    ),
+    case(
+        "parquet-prompt-column-named-output",
+        parquet_writer({"output": ["a", "b"]}),
+        name="in.parquet",
+        options={"prompt_column": "output"},
+        field="output",
+        says=("prompt_column",),
+    ),
+    case(
+        "parquet-prompt-and-messages",
+        parquet_writer({"prompt": ["a"], "messages": [[{"role": "user", "content": "hi"}]]}),
+        name="in.parquet",
+        says=("'messages'", "'prompt'", "prompt_column"),
+    ),
+    case(
+        "parquet-input-and-text",
+        parquet_writer({"input": ["a"], "text": ["b"]}),
+        name="in.parquet",
+        says=("'input'", "'text'", "prompt_column"),
+    ),
+    case(
         "parquet-no-rows",
         parquet_writer({"prompt": pa.array([], pa.string())}),
         name="in.parquet",
@@ -464,6 +605,23 @@ GOOD_CASES = [
     case("parquet-prompt-and-id", parquet_writer({"id": [3, 1], "prompt": ["a", "b"]}), name="in.parquet"),
     case("parquet-messages", parquet_writer({"messages": [[{"role": "user", "content": "hi"}]]}), name="in.parquet"),
     case("parquet-text-for-embeddings", parquet_writer({"text": ["a", "b"]}), name="in.parquet"),
+    case(
+        "parquet-row-index-beside-id", parquet_writer({"id": [1], "prompt": ["a"], "row_index": [0]}), name="in.parquet"
+    ),
+    case(
+        "parquet-prompt-and-messages-with-prompt-column",
+        parquet_writer({"prompt": ["a"], "messages": [[{"role": "user", "content": "hi"}]]}),
+        name="in.parquet",
+        options={"prompt_column": "prompt"},
+    ),
+    case(
+        "numbers-at-their-limits",
+        jsonl_bytes(
+            chat("a", seed=2**63 - 1, top_k=-1, min_tokens=0, max_tokens=2**31 - 1, logit_bias={"42": -100}),
+            chat("b", seed=-(2**63), temperature=0, logprobs=False, top_logprobs=None),
+        ),
+    ),
+    case("job-seed-at-its-limit", jsonl_bytes(GOOD), flags=("--seed", str(2**63 - 1), "--top-k", "-1")),
 ]
 
 
