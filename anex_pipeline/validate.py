@@ -34,7 +34,20 @@ INTEGER_RANGES = {
     "dimensions": (1, INT32_MAX),
 }
 LOGIT_BIAS_LIMIT = 100.0
-PROMPT_FIELDS = frozenset({"messages", "prompt", "input"})  # text, not sampling numbers
+# Number fields of a request body and of the job options (integers as above, biases, the rest floats).
+NUMBER_FIELDS = frozenset(
+    {
+        *INTEGER_RANGES,
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "logit_bias",
+    }
+)
 
 
 def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
@@ -100,7 +113,7 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
         problems.append(("body.stream", "streaming is not available in a batch job; remove it"))
-    problems += check_numbers({k: v for k, v in body.items() if k not in PROMPT_FIELDS}, "body.")
+    problems += check_numbers(body, "body.")
     if body.get("logprobs") not in (None, False):
         problems.append(("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs"))
     elif body.get("top_logprobs") is not None:
@@ -117,39 +130,42 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
 
 
 def check_numbers(values: dict[str, Any], prefix: str = "") -> list[FieldProblem]:
-    """Numbers the engine cannot take: infinities and NaN anywhere in ``values`` (Python's json
-    reads 1e999, NaN and Infinity), integers out of their field's range, and a logit_bias that
-    does not map token ids to biases between -100 and 100. Fields are named ``prefix + key``."""
+    """The number fields the engine cannot take: an infinity or NaN (Python's json reads 1e999,
+    NaN and Infinity), an integer out of its field's range, a logit_bias that does not map token
+    ids to biases from -100 to 100. Fields are named ``prefix + key``."""
     problems: list[FieldProblem] = []
-    for key, value in values.items():
-        where = f"{prefix}{key}"
-        bad = next(_non_finite(value, where), None)
-        if bad is not None:
-            problems.append(
-                (bad[0], f"is not a finite number (it reads as {bad[1]}); write a finite number or remove it")
-            )
-        elif key in INTEGER_RANGES and _is_int(value) and not INTEGER_RANGES[key][0] <= value <= INTEGER_RANGES[key][1]:
-            low, high = INTEGER_RANGES[key]
-            problems.append(
-                (where, f"is {value}, outside the range the engine takes ({low} to {high}); use a value within it")
-            )
+    for key, value in values.items():  # runs for every row: the usual case is kept short
+        if key not in NUMBER_FIELDS:
+            continue
+        if type(value) is float:
+            if not math.isfinite(value):
+                problems.append((prefix + key, _non_finite_message(value)))
+        elif type(value) is int:
+            low, high = INTEGER_RANGES.get(key, (value, value))
+            if not low <= value <= high:
+                message = f"is {value}, outside the range the engine takes ({low} to {high}); use a value within it"
+                problems.append((prefix + key, message))
         elif key == "logit_bias" and value is not None:
-            problems += _check_logit_bias(value, where)
+            problems += _check_logit_bias(value, prefix + key)
     return problems
 
 
-def _non_finite(value: Any, where: str) -> Iterator[tuple[str, str]]:
-    """(field, value) of each infinite or NaN number inside a JSON value (walked without
-    recursion: the value may be nested as deep as the JSON reader allows)."""
+def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
+    """A problem for each infinite or NaN number inside a JSON value (walked without recursion:
+    an option's value may be nested as deep as the JSON reader allows)."""
     stack = [(where, value)]
     while stack:
         where, value = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
-            yield where, repr(value)
+            yield where, _non_finite_message(value)
         elif isinstance(value, dict):
-            stack += [(f"{where}.{key}", item) for key, item in reversed(value.items())]
+            stack += [(f"{where}.{key}" if where else key, item) for key, item in reversed(value.items())]
         elif isinstance(value, list):
             stack += [(f"{where}[{n}]", item) for n, item in reversed(list(enumerate(value)))]
+
+
+def _non_finite_message(value: float) -> str:
+    return f"is not a finite number (it reads as {value!r}); write a finite number or remove it"
 
 
 def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
@@ -160,13 +176,11 @@ def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
             return [(f"{where}.{token}", f'{json.dumps(token)} is not a token id; keys must be token ids like "1234"')]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return [(f"{where}.{token}", f"must be a number from -100 to 100, got {_kind(value)}")]
+        if not math.isfinite(value):
+            return [(f"{where}.{token}", _non_finite_message(value))]
         if abs(value) > LOGIT_BIAS_LIMIT:
             return [(f"{where}.{token}", f"is {value}; a bias must be from -100 to 100")]
     return []
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_messages(messages: Any) -> list[FieldProblem]:
@@ -232,7 +246,9 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
 
 
 def _reject_numbers(raw: dict[str, Any]) -> None:
-    found = check_numbers(raw)
+    """Raises JobRejected for the options' number fields the engine cannot take, and for an
+    infinity or NaN in any other option (a time limit, a price, a media timeout)."""
+    found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
     if found:
         raise JobRejected([Problem(f"{m} (options)", field=f) for f, m in found])
 
