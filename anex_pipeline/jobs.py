@@ -560,7 +560,7 @@ def check_destinations(input_path: Path, output: str, report: str, options_file:
     for flag, dest in (("output", output), ("report", report)):
         if is_s3(dest):
             continue
-        target = Path(dest).expanduser()
+        target = Path(os.path.realpath(Path(dest).expanduser()))  # where it lands; folders on the way get made
         clash = next((what for what, path in read + written if _same_file(target, path)), None)
         if clash is not None:
             problems.append(
@@ -577,8 +577,10 @@ def check_destinations(input_path: Path, output: str, report: str, options_file:
 
 def _same_file(a: Path, b: Path) -> bool:
     """True when two paths name one file: by where they lead (symlinks and ``..`` followed, even
-    through folders not made yet) or, for files that exist, by inode (hard links)."""
-    if os.path.realpath(a) == os.path.realpath(b):
+    through folders not made yet, which writing the file would make) or, for files that exist,
+    by inode (hard links)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    if a == b:
         return True
     try:
         return os.path.samefile(a, b)

@@ -33,8 +33,11 @@ FILE_OF = {name: file for file, names in SAME_FILE.items() for name in names} | 
 # Spellings of the job's folder: itself, through a folder and back (one that exists, one that
 # does not, a symlink to one), and its absolute path.
 PREFIXES = ["", "./", "sub/../", "ln_sub/../", "nothere/../", "sub/./../", "{root}/"]
-destination = st.tuples(st.sampled_from(PREFIXES), st.sampled_from(sorted(FILE_OF)))
-options_file = st.tuples(st.sampled_from(PREFIXES), st.sampled_from(SAME_FILE["options"]))
+# Half the draws are files the job may write, so that runs that go through are drawn as well.
+name = st.sampled_from(["out.jsonl", "res.json", "sub/out.jsonl"]) | st.sampled_from(sorted(FILE_OF))
+destination = st.tuples(st.sampled_from(PREFIXES), name)
+readable = [p for p in PREFIXES if not p.startswith("nothere")]  # a read does not make folders
+options_file = st.tuples(st.sampled_from(readable), st.sampled_from(SAME_FILE["options"]))
 
 
 def make_folder(root: Path) -> dict[str, bytes]:
@@ -54,11 +57,12 @@ def spelled(root: Path, prefix: str, name: str) -> str:
     return prefix.format(root=root) + name
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(output=destination, report=st.none() | destination, options=st.none() | options_file)
 @example(output=("", "in.jsonl"), report=None, options=None)
 @example(output=("sub/../", "in.jsonl"), report=None, options=None)
 @example(output=("nothere/../", "ln_in"), report=None, options=None)
+@example(output=("nothere/../", "hard_in"), report=None, options=None)
 @example(output=("", "out.jsonl"), report=("", "in.jsonl"), options=None)
 @example(output=("", "opts.json"), report=None, options=("", "opts.json"))
 @example(output=("", "hard_in"), report=None, options=None)
