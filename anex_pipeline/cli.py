@@ -11,7 +11,6 @@ import atexit
 import json
 import logging
 import os
-import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -160,21 +159,17 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _read_regular_file(path: str, what: str) -> str:
-    """The UTF-8 text of a regular file. Anything else (a FIFO, a device, a folder) is refused
-    without waiting: it is opened non-blocking, and only read once it is known to be a file."""
+    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
+    from anex_pipeline.storage import read_regular_file
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return read_regular_file(path).decode("utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"{what} {path} is not a regular file (a FIFO, device or folder); name a JSON file")
-        try:
-            return f.read().decode("utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except ValueError as exc:
+        raise UsageError(f"{what} {exc}; name a JSON file") from None
 
 
 def _json_arg(flag: str, text: str) -> Any:

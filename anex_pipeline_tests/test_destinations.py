@@ -12,8 +12,11 @@ import sys
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import dagster as dg
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -21,6 +24,9 @@ from hypothesis import strategies as st
 from anex_pipeline import cli
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.test_sensors import local_deployment, submitted
+
+T = TypeVar("T")
 
 # Names in the job's folder, by the file they lead to (a symlink and a hard link to each).
 SAME_FILE = {
@@ -136,17 +142,27 @@ def test_the_real_command_refuses_an_output_that_is_its_input(tmp_path: Path) ->
 # --- files that are not regular files ----------------------------------------------------------
 
 
-def main_without_hanging(argv: list[str], fifo: Path) -> int:
-    """``cli.main(argv)``, failing the test if it waits on ``fifo`` (which is then released)."""
-    result: dict[str, int] = {}
-    worker = threading.Thread(target=lambda: result.update(code=cli.main(argv)), daemon=True)
+def without_hanging(work: Callable[[], T], fifo: Path) -> T:
+    """``work()``, failing the test if it waits on ``fifo`` (which is then released)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # raised again in the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
     worker.start()
     worker.join(60)
     if worker.is_alive():
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer that comes and goes ends the read
         worker.join(60)
-        pytest.fail(f"{' '.join(argv)} waited on the FIFO {fifo}")
-    return result["code"]
+        pytest.fail(f"waited on the FIFO {fifo}")
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 @pytest.mark.parametrize(
@@ -189,10 +205,22 @@ def test_fifos_and_folders_are_refused_without_waiting(
     (tmp_path / "sub").mkdir()
     if fifo:
         os.mkfifo(tmp_path / fifo)
-    assert main_without_hanging(args, tmp_path / (fifo or "sub")) == cli.EXIT_REJECTED
+    assert without_hanging(lambda: cli.main(args), tmp_path / (fifo or "sub")) == cli.EXIT_REJECTED
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
     assert not (tmp_path / "out.jsonl").exists() and (tmp_path / (fifo or "sub")).exists()
+
+
+def test_the_local_inbox_skips_a_fifo_sidecar_without_waiting(tmp_path: Path) -> None:
+    inbox = tmp_path / "drop"
+    inbox.mkdir()
+    write_jsonl(inbox / "a.jsonl", [chat_row("a", "hi")])
+    os.mkfifo(inbox / "a.jsonl.job.json")
+    good = write_jsonl(inbox / "b.jsonl", [chat_row("b", "hi")])
+    with dg.instance_for_test() as instance:  # on disk: a sensor tick reopens it by reference
+        deployment = local_deployment(tmp_path, instance, folder=str(inbox), outbox=str(tmp_path / "done"))
+        data = without_hanging(lambda: deployment.tick("local_inbox"), inbox / "a.jsonl.job.json")
+    assert [c["input"] for c in submitted(data)] == [str(good)]
 
 
 def test_an_options_file_that_is_not_utf8_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
