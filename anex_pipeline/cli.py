@@ -217,9 +217,7 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
         path = str(sidecar)
     if path:
         try:
-            loaded = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise UsageError(f"cannot read options file {path}: {exc.strerror}") from None
+            loaded = json.loads(_read_regular_file(path, "options file"))
         except json.JSONDecodeError as exc:
             raise UsageError(
                 f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
@@ -246,12 +244,23 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
+def _read_regular_file(path: str, what: str) -> str:
+    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
+    from anex_pipeline.storage import read_regular_file
+
+    try:
+        return read_regular_file(path).decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except ValueError as exc:
+        raise UsageError(f"{what} {exc}; name a JSON file") from None
+
+
 def _json_arg(flag: str, text: str) -> Any:
     if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"{flag}: cannot read {text[1:]}: {exc.strerror}") from None
+        text = _read_regular_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -355,7 +364,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def run() -> Any:
         log = logging.getLogger("anex_pipeline.progress")
         log.info("checking %s", args.input)
-        job = runner.submit(args.input, args.output, raw, args.report)
+        job = runner.submit(args.input, args.output, raw, args.report, options_file=args.options)
         manifest = job.manifest()
         log.info(
             "job %s: %d rows in %d shard(s), model %s",

@@ -10,12 +10,23 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
+
+
+def read_regular_file(path: str | Path) -> bytes:
+    """The bytes of a regular file. Anything else (a FIFO, a device, a folder) raises ValueError
+    at once: the file is opened non-blocking, so a FIFO with no writer is never waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file (a FIFO, a device or a folder)")
+        return f.read()
 
 
 def split_s3(uri: str) -> tuple[str, str]:

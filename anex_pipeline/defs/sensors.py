@@ -38,7 +38,7 @@ from anex_pipeline.defs.partitions import JOBS, job_partitions, job_shard_key, j
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.jobs import JobDir, make_job_id, unfinished_shards
 from anex_pipeline.spec import JobReport
-from anex_pipeline.storage import unsafe_key
+from anex_pipeline.storage import read_regular_file, unsafe_key
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
 SIDECAR_SUFFIX = ".job.json"
@@ -423,10 +423,10 @@ def take_new(
             break
         if context.instance.has_dynamic_partition(JOBS, arrival.job_id):
             continue
-        sidecar = read_sidecar(arrival)
         try:
+            sidecar = read_sidecar(arrival)
             options = {**defaults, **(options_from_json(sidecar, arrival.uri + SIDECAR_SUFFIX) if sidecar else {})}
-        except ValueError as exc:
+        except ValueError as exc:  # also a sidecar that is not UTF-8 or not a regular file
             context.log.error(f"{arrival.uri} is not submitted: {exc}. Fix the sidecar, then upload the input again.")
             continue
         requests.append(submit_request(arrival, options))
@@ -595,7 +595,7 @@ def local_inbox(
 
     def read_sidecar(arrival: Arrival) -> str | None:
         sidecar = Path(arrival.uri + SIDECAR_SUFFIX)
-        return sidecar.read_text(encoding="utf-8") if sidecar.exists() else None
+        return read_regular_file(sidecar).decode("utf-8") if sidecar.exists() else None
 
     return take_new(
         context, folder_arrivals(inbox, outbox, settings.settle_seconds), settings, read_sidecar, str(inbox)
