@@ -1,4 +1,4 @@
-"""The ``anex-pipeline`` command: run, validate, backfill and report.
+"""The ``anex-pipeline`` command: run, validate, backfill, report, serve, and list, delete and prune jobs.
 
 Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
 1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit (nothing
@@ -178,7 +178,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _engine_flags(srv)
+
+    lst = sub.add_parser("list", help="list the jobs of the work folder, newest first")
+    lst.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    _work_dir_flag(lst)
+
+    dele = sub.add_parser("delete", help="remove a job's work folder and its Dagster history (not its result)")
+    dele.add_argument("job_id", help="the job id shown by `list` or printed by `run`")
+    _work_dir_flag(dele)
+
+    prn = sub.add_parser(
+        "prune", help="remove jobs not active for a while, and the Batch API's expired files (results stay)"
+    )
+    prn.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m, 90s: last activity")
+    prn.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    prn.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _work_dir_flag(prn)
     return parser
+
+
+def _work_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--work-dir", default=None, help="where jobs keep their work (default: $ANEX_WORK_DIR or the cache)")
 
 
 def _version() -> str:
@@ -199,9 +219,7 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
         path = str(sidecar)
     if path:
         try:
-            loaded = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise UsageError(f"cannot read options file {path}: {exc.strerror}") from None
+            loaded = json.loads(_read_regular_file(path, "options file"))
         except json.JSONDecodeError as exc:
             raise UsageError(
                 f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
@@ -228,12 +246,23 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
+def _read_regular_file(path: str, what: str) -> str:
+    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
+    from anex_pipeline.storage import read_regular_file
+
+    try:
+        return read_regular_file(path).decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except ValueError as exc:
+        raise UsageError(f"{what} {exc}; name a JSON file") from None
+
+
 def _json_arg(flag: str, text: str) -> Any:
     if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"{flag}: cannot read {text[1:]}: {exc.strerror}") from None
+        text = _read_regular_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -337,7 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def run() -> Any:
         log = logging.getLogger("anex_pipeline.progress")
         log.info("checking %s", args.input)
-        job = runner.submit(args.input, args.output, raw, args.report)
+        job = runner.submit(args.input, args.output, raw, args.report, options_file=args.options)
         manifest = job.manifest()
         log.info(
             "job %s: %d rows in %d shard(s), model %s",
@@ -400,6 +429,7 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
 
     from sqlalchemy.exc import DBAPIError
 
+    from anex_pipeline.console import close_progress
     from anex_pipeline.runner import StepFailed
 
     resume = (
@@ -420,6 +450,7 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
         print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
         return EXIT_STOPPED
     finally:
+        close_progress()
         runner.close()
     return _finish(report)
 
@@ -508,6 +539,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _work_root(args: argparse.Namespace) -> Path:
+    from anex_pipeline.defs.resources import default_work_root
+
+    return Path(args.work_dir or default_work_root()).expanduser()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from anex_pipeline.retention import list_jobs, table
+
+    at = time.time()
+    entries = list_jobs(_instance(), _work_root(args))
+    if args.json:
+        print(json.dumps([e.as_json(at) for e in entries], indent=2))
+    elif entries:
+        print(table(entries, at))
+    else:
+        print(f"no jobs under {_work_root(args)}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from anex_pipeline.defs.partitions import JOBS
+    from anex_pipeline.jobs import JobDir
+    from anex_pipeline.retention import JobRunning, delete_job
+
+    try:
+        job = JobDir(_work_root(args), args.job_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    instance = _instance()
+    if not job.root.exists() and not instance.has_dynamic_partition(JOBS, job.job_id):
+        raise UsageError(f"no job {args.job_id} under {job.root.parent}; `anex-pipeline list` shows the jobs")
+    try:
+        delete_job(instance, job)
+    except JobRunning as exc:
+        raise UsageError(str(exc)) from None
+    print(f"deleted job {job.job_id}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from anex_pipeline.retention import parse_age, prune
+
+    try:
+        older_than = parse_age(args.older_than)
+    except ValueError as exc:
+        raise UsageError(f"--older-than: {exc}") from None
+    removed = prune(_instance(), _work_root(args), older_than, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps([r.as_json() for r in removed], indent=2))
+    else:
+        for r in removed:
+            print(f"{'would remove' if args.dry_run else 'removed'} {r.kind} {r.id}: {r.reason}")
+        if not removed:
+            print("nothing to remove", file=sys.stderr)
+    return EXIT_OK
+
+
 def _media_policy(args: argparse.Namespace) -> Any:
     """The operator's media policy for ``serve``: --media, with --media-allowed-host added."""
     from pydantic import ValidationError
@@ -541,6 +630,9 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
         "backfill": cmd_backfill,
         "report": cmd_report,
         "serve": cmd_serve,
+        "list": cmd_list,
+        "delete": cmd_delete,
+        "prune": cmd_prune,
     }
     try:
         return handlers[args.command](args)

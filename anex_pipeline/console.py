@@ -155,3 +155,10 @@ class ProgressHandler(logging.Handler):
             self.display.write_line(self.format(record))
         else:
             print(self.format(record), file=sys.stderr)
+
+
+def close_progress() -> None:
+    """Ends the progress display (a bar keeps its line open) before the command's last lines."""
+    for handler in logging.getLogger(PROGRESS_LOGGER).handlers:
+        if isinstance(handler, ProgressHandler) and handler.display is not None:
+            handler.display.close()

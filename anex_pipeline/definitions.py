@@ -10,6 +10,7 @@ from dagster_aws.s3 import S3Resource
 from anex_pipeline.defs.assets import all_assets
 from anex_pipeline.defs.jobs import all_jobs
 from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.defs.retention import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.defs.sensors import (
     LocalInboxSettings,
     RetrySettings,
@@ -26,15 +27,16 @@ def build_definitions(
     s3_inbox: S3InboxSettings | None = None,
     local_inbox: LocalInboxSettings | None = None,
     retry: RetrySettings | None = None,
+    retention: RetentionSettings | None = None,
 ) -> dg.Definitions:
     """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
     storage = storage or StorageResource()
     return dg.Definitions(
         executor=_executor(),
         assets=all_assets,
-        jobs=all_jobs,
+        jobs=[*all_jobs, prune_job],
         sensors=all_sensors,
-        schedules=all_schedules,
+        schedules=[*all_schedules, prune_old_jobs],
         resources={
             "storage": storage,
             "engine": engine or EngineResource(),
@@ -42,6 +44,7 @@ def build_definitions(
             "s3_inbox_settings": s3_inbox or S3InboxSettings(),
             "local_inbox_settings": local_inbox or LocalInboxSettings(),
             "retry_settings": retry or RetrySettings(),
+            "retention_settings": retention or RetentionSettings(),
         },
     )
 

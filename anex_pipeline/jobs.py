@@ -38,7 +38,7 @@ from anex_pipeline.formats import (
 )
 from anex_pipeline.models import model_unavailable, resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
-from anex_pipeline.storage import output_problem
+from anex_pipeline.storage import is_s3, output_problem
 
 ROWS_PER_SHARD = 4096
 MAX_REPORTED_PROBLEMS = 1000
@@ -563,6 +563,45 @@ def model_problems(model: str | None) -> list[Problem]:
     return [Problem(why, field="model")] if why else []
 
 
+def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
+    """Refuses an output or report that is a file the job reads (the input, its sidecar
+    ``<input>.job.json``, the options file) or each other, whatever the path's spelling (``..``,
+    symlinks, hard links), and one that exists but is not a regular file (a folder, a FIFO)."""
+    read = [("the input", input_path), ("the input's options sidecar", Path(f"{input_path}.job.json"))]
+    read += [("the options file", Path(options_file))] if options_file is not None else []
+    problems = []
+    written: list[tuple[str, Path]] = []
+    for flag, dest in (("output", output), ("report", report)):
+        if is_s3(dest):
+            continue
+        target = Path(os.path.realpath(Path(dest).expanduser()))  # where it lands; folders on the way get made
+        clash = next((what for what, path in read + written if _same_file(target, path)), None)
+        if clash is not None:
+            problems.append(
+                Problem(f"{dest} is {clash}, which the job would write over; choose another path", field=flag)
+            )
+        elif target.exists() and not target.is_file():
+            problems.append(
+                Problem(f"{dest} exists and is not a regular file (a folder or FIFO); name a file", field=flag)
+            )
+        written.append(("the output", target))
+    if problems:
+        raise JobRejected(problems)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when two paths name one file: by where they lead (symlinks and ``..`` followed, even
+    through folders not made yet, which writing the file would make) or, for files that exist,
+    by inode (hard links)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
 def prepare_job(
     input_path: Path,
     output: str,
@@ -573,17 +612,20 @@ def prepare_job(
     job_id: str | None = None,
     local_model: bool = True,
     s3_client: Any = None,
+    options_file: Path | None = None,
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
     s3:// ones), then writes the job's shards and manifest; raises JobRejected on problems.
 
-    Idempotent: a job whose manifest already exists for the same input content is reused as it is,
-    so reruns and resumes keep their checkpoints.
+    ``options_file``: the file the options were read from, if any, which the job must not write
+    over. Idempotent: a job whose manifest already exists for the same input content is reused as
+    it is, so reruns and resumes keep their checkpoints.
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options)
     report = report or default_report_path(output)
+    check_destinations(input_path, output, report, options_file)
     found = model_problems(options.model) if local_model else []
     for dest in dict.fromkeys((output, report)):
         if why := output_problem(dest, s3_client):

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.estimate import read_estimate
+from anex_pipeline.estimate import read_estimate, reusable_samples
 from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
 from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
@@ -253,8 +253,16 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         throughput=throughput,
         output_tokens=tally.length_percentiles(),
         reused_answer_rows=tally.reused,
+        reused_sample_rows=_reused_sample_rows(job, manifest),
         cost=_cost(manifest, usage),
     )
+
+
+def _reused_sample_rows(job: JobDir, manifest: JobManifest) -> int:
+    """Sample answers that stand as their rows' answers, in the shards that have run."""
+    reused = reusable_samples(job, read_estimate(job), 0, manifest.total_rows)
+    ran = [rng for shard, rng in enumerate(manifest.shards) if job.checkpoint_path(shard, manifest).exists()]
+    return sum(1 for i in reused if any(rng.start <= i < rng.stop for rng in ran))
 
 
 def _cost(manifest: JobManifest, usage: Usage) -> float | None:

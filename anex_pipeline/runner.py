@@ -57,8 +57,16 @@ class JobRunner:
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time
 
-    def submit(self, input_path: str, output: str, raw_options: dict[str, Any], report: str | None = None) -> JobDir:
-        """Checks the input (raising JobRejected) and registers the job's partition."""
+    def submit(
+        self,
+        input_path: str,
+        output: str,
+        raw_options: dict[str, Any],
+        report: str | None = None,
+        options_file: str | None = None,
+    ) -> JobDir:
+        """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
+        is where ``raw_options`` were read from, if from a file."""
         options = parse_options(raw_options)
         work_root = Path(self.storage.work_root).expanduser()
         job = prepare_job(
@@ -69,6 +77,7 @@ class JobRunner:
             report=report,
             local_model=not self.engine.base_url,
             s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
+            options_file=Path(options_file) if options_file else None,
         )
         self._hold(job)
         self._load_engine_early(job, job.manifest())

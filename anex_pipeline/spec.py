@@ -241,4 +241,6 @@ class JobReport(BaseModel):
     output_tokens: dict[str, int] = Field(default_factory=dict)
     # Rows answered with a copy of an identical deterministic row's answer (option reuse_answers).
     reused_answer_rows: int = 0
+    # Rows whose answer is the one the length-estimation sample already generated.
+    reused_sample_rows: int = 0
     cost: float | None = None

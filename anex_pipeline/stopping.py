@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +101,16 @@ class StopCheck:
         return reason
 
 
+def _tell(line: bytes) -> None:
+    """Writes a line to the terminal with one system call, safe inside a signal handler. The
+    terminal is ``sys.stderr``'s descriptor: the command may have pointed descriptor 2 at its log."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stand-in stream without a descriptor
+        fd = 2
+    os.write(fd, line)
+
+
 @contextmanager
 def stopping_on_signals(job: JobDir) -> Iterator[StopCheck]:
     """While the body runs, SIGINT and SIGTERM ask the job to stop instead of interrupting it,
@@ -119,9 +130,9 @@ def stopping_on_signals(job: JobDir) -> Iterator[StopCheck]:
         def handler(signum: int, _: FrameType | None) -> None:
             _signals["seen"] += 1
             if _signals["seen"] > 1:
-                os.write(2, b"[anex] stopped at once; rerun the same command to resume\n")
+                _tell(b"[anex] stopped at once; rerun the same command to resume\n")
                 os._exit(130 if signum == signal.SIGINT else 143)
-            os.write(2, FIRST_SIGNAL_LINE)
+            _tell(FIRST_SIGNAL_LINE)
             reason = f"{USER_STOP} ({signal.Signals(signum).name})"
             request_stop(job, reason)
             if _signals["loading"]:  # an engine load cannot notice the stop; leave it

@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path, PurePosixPath
@@ -18,6 +19,16 @@ from typing import Any
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
+
+
+def read_regular_file(path: str | Path) -> bytes:
+    """The bytes of a regular file. Anything else (a FIFO, a device, a folder) raises ValueError
+    at once: the file is opened non-blocking, so a FIFO with no writer is never waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file (a FIFO, a device or a folder)")
+        return f.read()
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -101,8 +112,6 @@ def output_problem(dest: str, s3_client: Any = None) -> str | None:
             return f"cannot write {dest}: {exc}; check the bucket name and the S3 credentials, or choose another output"
         return None
     target = Path(dest).expanduser()
-    if target.is_dir():
-        return f"output {target} is a folder; name a file inside it"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.probe-")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -18,6 +20,34 @@ FieldProblem = tuple[str, str]
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine takes a seed as a signed 64-bit integer
+INT32_MAX = 2**31 - 1
+# Integer request fields and job options with the values the engine can take: (lowest, highest).
+INTEGER_RANGES = {
+    "seed": (INT64_MIN, INT64_MAX),
+    "max_tokens": (1, INT32_MAX),
+    "max_completion_tokens": (1, INT32_MAX),
+    "min_tokens": (0, INT32_MAX),
+    "top_k": (-1, INT32_MAX),
+    "reasoning_budget": (0, INT32_MAX),
+    "truncate_prompt_tokens": (-1, INT32_MAX),
+    "dimensions": (1, INT32_MAX),
+}
+LOGIT_BIAS_LIMIT = 100.0
+# Number fields of a request body and of the job options (integers as above, biases, the rest floats).
+NUMBER_FIELDS = frozenset(
+    {
+        *INTEGER_RANGES,
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "logit_bias",
+    }
+)
 
 
 def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
@@ -83,6 +113,13 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
         problems.append(("body.stream", "streaming is not available in a batch job; remove it"))
+    problems += check_numbers(body, "body.")
+    if body.get("logprobs") not in (None, False):
+        problems.append(("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs"))
+    elif body.get("top_logprobs") is not None:
+        problems.append(
+            ("body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs")
+        )
     n = body.get("n", 1)
     if n != 1:
         problems.append(("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
@@ -90,6 +127,60 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}"))
     return problems
+
+
+def check_numbers(values: dict[str, Any], prefix: str = "") -> list[FieldProblem]:
+    """The number fields the engine cannot take: an infinity or NaN (Python's json reads 1e999,
+    NaN and Infinity), an integer out of its field's range, a logit_bias that does not map token
+    ids to biases from -100 to 100. Fields are named ``prefix + key``."""
+    problems: list[FieldProblem] = []
+    for key, value in values.items():  # runs for every row: the usual case is kept short
+        if key not in NUMBER_FIELDS:
+            continue
+        if type(value) is float:
+            if not math.isfinite(value):
+                problems.append((prefix + key, _non_finite_message(value)))
+        elif type(value) is int:
+            low, high = INTEGER_RANGES.get(key, (value, value))
+            if not low <= value <= high:
+                message = f"is {value}, outside the range the engine takes ({low} to {high}); use a value within it"
+                problems.append((prefix + key, message))
+        elif key == "logit_bias" and value is not None:
+            problems += _check_logit_bias(value, prefix + key)
+    return problems
+
+
+def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
+    """A problem for each infinite or NaN number inside a JSON value (walked without recursion:
+    an option's value may be nested as deep as the JSON reader allows)."""
+    stack = [(where, value)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            yield where, _non_finite_message(value)
+        elif isinstance(value, dict):
+            stack += [(f"{where}.{key}" if where else key, item) for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{n}]", item) for n, item in reversed(list(enumerate(value)))]
+
+
+def _non_finite_message(value: float) -> str:
+    return f"is not a finite number (it reads as {value!r}); write a finite number or remove it"
+
+
+def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
+    if not isinstance(bias, dict):
+        return [(where, f'must be an object of token ids and biases like {{"1234": -100}}, got {_kind(bias)}')]
+    for token, value in bias.items():
+        if not (token.isascii() and token.isdigit() and int(token) <= INT32_MAX):
+            return [(f"{where}.{token}", f'{json.dumps(token)} is not a token id; keys must be token ids like "1234"')]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return [(f"{where}.{token}", f"must be a number from -100 to 100, got {_kind(value)}")]
+        if not math.isfinite(value):
+            return [(f"{where}.{token}", _non_finite_message(value))]
+        if abs(value) > LOGIT_BIAS_LIMIT:
+            return [(f"{where}.{token}", f"is {value}; a bias must be from -100 to 100")]
+    return []
 
 
 def _check_messages(messages: Any) -> list[FieldProblem]:
@@ -129,6 +220,7 @@ def _check_embedding_input(value: Any) -> list[FieldProblem]:
 
 def parse_options(raw: dict[str, Any]) -> JobOptions:
     """Builds JobOptions from a dict (options file + CLI flags), or raises JobRejected."""
+    _reject_numbers(raw)  # NaN would otherwise meet a bound's check first, with a puzzling message
     try:
         options = JobOptions.model_validate(raw)
     except ValidationError as exc:
@@ -138,6 +230,7 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
             msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
             problems.append(Problem(f"{msg} (options)", field=loc))
         raise JobRejected(problems) from None
+    _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
     if options.response_format is not None:
         found = check_response_format(options.response_format, "response_format")
         if found:
@@ -150,6 +243,14 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         except ParserChoiceError as exc:
             raise JobRejected([Problem(f"{exc} (options)", field="reasoning_parser/tool_parser")]) from None
     return options
+
+
+def _reject_numbers(raw: dict[str, Any]) -> None:
+    """Raises JobRejected for the options' number fields the engine cannot take, and for an
+    infinity or NaN in any other option (a time limit, a price, a media timeout)."""
+    found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
+    if found:
+        raise JobRejected([Problem(f"{m} (options)", field=f) for f, m in found])
 
 
 def _unknown_option(loc: tuple[Any, ...]) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.console import PROGRESS_FIELD, ProgressDisplay, ProgressHandler, ShardProgress
+from anex_pipeline_tests.conftest import write_jsonl
+from anex_pipeline_tests.test_stop_real import COMMAND, story_rows
 
 
 def test_plain_progress_lines_at_each_tenth_with_rate_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,3 +80,26 @@ def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_p
     chatter = ("raw write below python", "child process", "before any logging", "engine warning", "library deprecation")
     for line in chatter:
         assert line in logged
+
+
+OUR_LINE = re.compile(r"^(\[anex\] |result: |error: |job )")
+
+
+@pytest.mark.engine
+def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -> None:
+    """The installed command on the real engine, stderr not a terminal: progress comes as rows
+    finish, and what vLLM, torch and Triton print goes to the log file named on the first line."""
+    src = write_jsonl(tmp_path / "in.jsonl", story_rows(120))
+    command = [COMMAND, "run", str(src), "-o", str(tmp_path / "out.jsonl"), "--work-dir", str(tmp_path / "work")]
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    foreign = [line for line in lines if not OUR_LINE.match(line)]
+    assert len(foreign) <= 5, "\n".join(foreign)
+    counts = [int(m.group(1)) for line in lines if (m := re.match(r"\[anex\] (\d+)/120 rows", line))]
+    assert len([c for c in counts if 0 < c < 120]) >= 3, lines
+    assert counts == sorted(counts) and counts[-1] == 120
+    log = Path(re.search(r"go to (\S+\.log)", done.stderr).group(1))  # type: ignore[union-attr]
+    assert "EngineCore" in log.read_text()  # the engine's own chatter is there
+    assert json.loads(done.stdout)["request_counts"]["completed"] == 120

@@ -195,7 +195,7 @@ def test_an_output_that_is_a_folder_or_under_a_read_only_one_is_refused(
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
-    for output, says in [(tmp_path, "is a folder"), (locked / "out.jsonl", str(locked))]:
+    for output, says in [(tmp_path, "not a regular file"), (locked / "out.jsonl", str(locked))]:
         assert main(["run", str(src), "-o", str(output)]) == 2
         err = capsys.readouterr().err
         assert says in err and "field 'output'" in err, err

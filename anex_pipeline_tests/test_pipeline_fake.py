@@ -105,6 +105,7 @@ def test_estimate_sets_the_cap_and_its_sample_is_reused(tmp_path: Path, fake_run
     assert report.estimate.sample_size == 100 and report.estimate.max_tokens is not None
     assert "order-statistic" in report.estimate.method
     assert len(engine.seen) - before == 150  # 100 sampled rows reused, 50 generated once
+    assert report.reused_sample_rows == 100
 
 
 def test_sample_answers_cut_at_the_cap_in_force_are_not_generated_again(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -119,7 +120,7 @@ def test_sample_answers_cut_at_the_cap_in_force_are_not_generated_again(tmp_path
     before = len(engine.seen)
     report = fake_runner.run(job)
     assert len(engine.seen) == before  # no row generated twice
-    assert report.request_counts.completed == 50
+    assert report.request_counts.completed == 50 and report.reused_sample_rows == 50
     assert pq.read_table(tmp_path / "o.parquet").column("error_type").to_pylist() == ["length"] * 50
 
 

@@ -191,7 +191,8 @@ def test_definitions_hold_the_sensors_and_schedule_switched_off() -> None:
         "local_inbox": dg.DefaultSensorStatus.STOPPED,
     }
     assert [(s.name, s.default_status) for s in defs.schedules or []] == [
-        ("retry_failed_rows", dg.DefaultScheduleStatus.STOPPED)
+        ("retry_failed_rows", dg.DefaultScheduleStatus.STOPPED),
+        ("prune_old_jobs", dg.DefaultScheduleStatus.STOPPED),
     ]
 
 

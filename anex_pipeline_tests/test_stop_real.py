@@ -105,7 +105,7 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
     args = ["run", str(src), "-o", str(out), "--max-tokens", "64", "--work-dir", str(tmp_path / "work")]
     first = start(args, tmp_path / "dagster_home")
     err = Lines(first.stderr)  # type: ignore[arg-type]
-    err.wait_for(r"shard \d+: [1-9]\d*/", timeout=400)  # rows are finishing
+    err.wait_for(r"\[anex\] [1-9]\d*/\d+ rows", timeout=400)  # rows are finishing
     os.killpg(first.pid, signal.SIGINT)
     asked = time.monotonic()
     stdout = first.stdout.read()  # type: ignore[union-attr]

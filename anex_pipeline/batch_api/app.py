@@ -1,8 +1,8 @@
 """The HTTP routes of the OpenAI-compatible Batch API, as an ASGI app (Starlette).
 
-The routes are the ones the ``openai`` SDK calls for batches: upload a file, create a batch from
-it (or from requests embedded in the body), follow it, cancel it, download its output and error
-files. Every error is answered in OpenAI's shape, so the SDK raises its usual exceptions.
+The routes are the ones the ``openai`` SDK calls for batches: upload, list and delete files,
+create a batch from one (or from requests embedded in the body), follow it, cancel it, download
+its output and error files. Every error is answered in OpenAI's shape, so the SDK raises its usual exceptions.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import io
 import json
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,9 +25,19 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from anex_pipeline.batch_api.objects import ApiError, BatchRecord, CreateBatch, new_id, not_found, now
+from anex_pipeline.batch_api.objects import (
+    MAX_EXPIRY_S,
+    ApiError,
+    BatchRecord,
+    CreateBatch,
+    ExpiresAfter,
+    new_id,
+    not_found,
+    now,
+)
 from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import BatchWorker
+from anex_pipeline.retention import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import ENDPOINT_BY_URL, JobRejected, MediaOptions
 from anex_pipeline.validate import parse_options
@@ -35,6 +46,7 @@ OPTIONS_METADATA_KEY = "anex_options"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
 MAX_METADATA_PAIRS = 16
+MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) page of files
 MEDIA_LIMITS = ("max_bytes", "timeout_s", "per_host_connections", "max_retries")  # a caller may only lower these
 
 
@@ -73,10 +85,51 @@ class BatchApi:
             )
         if not isinstance(upload, UploadFile):
             raise ApiError(400, "Send the file's bytes in the multipart field 'file'.", param="file")
+        expiry = upload_expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
         record = await run_in_threadpool(
-            self.store.add_file, owner, upload.filename or "upload.jsonl", "batch", upload.file
+            lambda: self.store.add_file(
+                owner, upload.filename or "upload.jsonl", "batch", upload.file, expires_after_s=expiry
+            )
         )
         return JSONResponse(record.public())
+
+    async def list_files(self, request: Request) -> Response:
+        owner = self.owner(request)
+        query = request.query_params
+        limit_text = query.get("limit", str(MAX_FILES_PAGE))
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_FILES_PAGE:
+            raise ApiError(
+                400, f"limit must be a whole number from 1 to {MAX_FILES_PAGE}, got {limit_text!r}.", param="limit"
+            )
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+
+        def page() -> dict[str, Any]:
+            records, more = self.store.files(
+                owner, query.get("purpose"), order == "desc", query.get("after"), int(limit_text)
+            )
+            data = [r.public() for r in records]
+            first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+            return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
+
+        return JSONResponse(await run_in_threadpool(page))
+
+    async def delete_file(self, request: Request) -> Response:
+        def delete() -> dict[str, Any]:
+            record = self._file(request)
+            if (batch := self.store.in_use(record.id)) is not None:
+                raise ApiError(
+                    400,
+                    f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it once "
+                    "the batch has finished, or cancel the batch.",
+                    param="file_id",
+                )
+            runner = self.worker.runner
+            forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
+            return {"id": record.id, "object": "file", "deleted": True}
+
+        return JSONResponse(await run_in_threadpool(delete))
 
     async def retrieve_file(self, request: Request) -> Response:
         record = await run_in_threadpool(self._file, request)
@@ -139,6 +192,7 @@ class BatchApi:
             model=options.get("model"),
             options=options,
             embedded=body.requests is not None,
+            output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
         )
         stored = self.store.add_batch(record, idempotency_key)
         if stored.id == batch_id:
@@ -256,6 +310,23 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
         ) from None
 
 
+def upload_expiry(anchor: Any, seconds: Any) -> int | None:
+    """Seconds until an uploaded file expires, from the form fields ``expires_after[anchor]`` and
+    ``expires_after[seconds]`` (how the SDK sends ``expires_after``); None when neither is sent."""
+    if anchor is None and seconds is None:
+        return None
+    try:
+        return ExpiresAfter.model_validate({"anchor": anchor, "seconds": seconds}).seconds
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = f"expires_after.{first['loc'][0]}"
+        raise ApiError(
+            400,
+            f"'{param}': {first['msg']} (expires_after takes anchor 'created_at' and 1 to {MAX_EXPIRY_S} seconds).",
+            param=param,
+        ) from None
+
+
 def narrowed_media(asked: Any, policy: MediaOptions) -> Any:
     """The media options a batch runs with: the operator's policy, where the caller may only
     name fewer of its hosts and lower its limits (hosts reachable from the service are the
@@ -370,7 +441,9 @@ def create_app(
 
     routes = [
         Route("/v1/files", api.create_file, methods=["POST"]),
+        Route("/v1/files", api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", api.retrieve_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", api.delete_file, methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", api.file_content, methods=["GET"]),
         Route("/v1/batches", api.create_batch, methods=["POST"]),
         Route("/v1/batches", api.list_batches, methods=["GET"]),

@@ -19,6 +19,7 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+MAX_EXPIRY_S = 30 * 24 * 3600  # the longest expiry OpenAI accepts
 
 
 def new_id(prefix: str) -> str:
@@ -50,10 +51,17 @@ def not_found(kind: str, object_id: str) -> ApiError:
     return ApiError(404, f"No {kind} found with id '{object_id}'.", param="id", code="not_found")
 
 
+class ExpiresAfter(BaseModel):
+    """When a file expires: ``seconds`` after its creation (OpenAI's only anchor)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=1, le=MAX_EXPIRY_S)
+
+
 class CreateBatch(BaseModel):
     """The body of ``POST /v1/batches``: OpenAI's fields, or the requests embedded in the body.
 
-    Fields this service does not use (``output_expires_after``, ``provider``, ...) are ignored."""
+    Fields this service does not use (``provider``, ...) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -63,7 +71,8 @@ class CreateBatch(BaseModel):
     requests: list[dict[str, Any]] | None = None  # [{"custom_id", "body"}]: the embedded variant
     metadata: dict[str, str] | None = None
     model: str | None = None
-    anex_options: dict[str, Any] | None = None  # extension: job options (SPEC section 2)
+    anex_options: dict[str, Any] | None = None  # extension: job options
+    output_expires_after: ExpiresAfter | None = None  # for the batch's output and error files
 
 
 class FileRecord(BaseModel):
@@ -73,6 +82,11 @@ class FileRecord(BaseModel):
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
+    batch_id: str | None = None  # the batch that delivered it (its output or error file)
+
+    def expired(self, at: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= at
 
     def public(self) -> dict[str, Any]:
         return {
@@ -83,7 +97,7 @@ class FileRecord(BaseModel):
             "filename": self.filename,
             "purpose": self.purpose,
             "status": "processed",
-            "expires_at": None,
+            "expires_at": self.expires_at,
             "status_details": None,
         }
 
@@ -106,6 +120,7 @@ class BatchRecord(BaseModel):
     model: str | None = None  # as asked for; the job's own model name once it is known
     options: dict[str, Any] = Field(default_factory=dict)  # the job options the batch runs with
     embedded: bool = False  # created with the requests in the body: the finished batch lists its results
+    output_expires_after_s: int | None = None  # the output and error files expire this long after they are made
     job_id: str | None = None
     errors: list[BatchError] | None = None
     output_file_id: str | None = None

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -75,8 +76,18 @@ class Store:
     def content_path(self, file_id: str) -> Path:
         return self.root / "files" / file_id
 
-    def add_file(self, owner: str, filename: str, purpose: str, source: IO[bytes] | Path) -> FileRecord:
-        """Stores the bytes of a file (a stream, or a finished file that is moved in) and its record."""
+    def add_file(
+        self,
+        owner: str,
+        filename: str,
+        purpose: str,
+        source: IO[bytes] | Path,
+        *,
+        expires_after_s: int | None = None,
+        batch_id: str | None = None,
+    ) -> FileRecord:
+        """Stores the bytes of a file (a stream, or a finished file that is moved in) and its record;
+        with ``expires_after_s`` the file is gone that many seconds after it was made."""
         file_id = new_id("file-")
         target = self.content_path(file_id)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,22 +100,74 @@ class Store:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, target)
+        created = now()
         record = FileRecord(
             id=file_id,
             owner=owner,
             filename=filename,
             purpose=purpose,
             bytes=target.stat().st_size,
-            created_at=now(),
+            created_at=created,
+            expires_at=None if expires_after_s is None else created + expires_after_s,
+            batch_id=batch_id,
         )
-        self._set(f"file.{file_id}", record.model_dump())
+        with self._lock:
+            self._set(f"file.{file_id}", record.model_dump())
+            self._edit_list(f"files.{owner}", lambda ids: [*ids, file_id])
+            if record.expires_at is not None:
+                self._edit_list("expiring", lambda ids: [*ids, file_id])
         return record
 
     def file(self, owner: str, file_id: str) -> FileRecord | None:
-        """The file if it exists and belongs to ``owner``; None otherwise (the two look alike)."""
+        """The file if it exists, has not expired and belongs to ``owner``; None otherwise (the
+        three look alike)."""
         raw = self._get(f"file.{file_id}")
         record = FileRecord.model_validate(raw) if raw else None
-        return record if record is not None and record.owner == owner else None
+        if record is None or record.owner != owner or record.expired(time.time()):
+            return None
+        return record
+
+    def files(
+        self, owner: str, purpose: str | None, newest_first: bool, after: str | None, limit: int
+    ) -> tuple[list[FileRecord], bool]:
+        """A page of the owner's live files (of one purpose, if given) by creation time, starting
+        after the file ``after``."""
+        ids = self._get(f"files.{owner}") or []
+        found = self._get_many(f"file.{i}" for i in ids)
+        at = time.time()
+        records = [
+            r
+            for i in ids
+            if (raw := found.get(f"file.{i}"))
+            and not (r := FileRecord.model_validate(raw)).expired(at)
+            and purpose in (None, r.purpose)
+        ]
+        records.sort(key=lambda r: r.created_at)  # stable: files made in the same second keep upload order
+        if newest_first:
+            records.reverse()
+        names = [r.id for r in records]
+        start = names.index(after) + 1 if after in names else 0 if after is None else len(names)
+        return records[start : start + limit], start + limit < len(records)
+
+    def expired_files(self, at: float) -> list[FileRecord]:
+        """Files whose expiry time has come (still stored until :meth:`remove_file`)."""
+        ids = self._get("expiring") or []
+        found = self._get_many(f"file.{i}" for i in ids)
+        records = [FileRecord.model_validate(raw) for i in ids if (raw := found.get(f"file.{i}"))]
+        return [r for r in records if r.expired(at)]
+
+    def remove_file(self, record: FileRecord) -> None:
+        """Removes the file's bytes and its record (the key-value store has no delete: the
+        record's value becomes null, which reads as absent)."""
+        self.content_path(record.id).unlink(missing_ok=True)
+        with self._lock:
+            self._set(f"file.{record.id}", None)
+            self._edit_list(f"files.{record.owner}", lambda ids: [i for i in ids if i != record.id])
+            self._edit_list("expiring", lambda ids: [i for i in ids if i != record.id])
+
+    def in_use(self, file_id: str) -> BatchRecord | None:
+        """An unfinished batch made from this input file, if there is one."""
+        return next((r for r in self.unfinished() if r.input_file_id == file_id), None)
 
     def scratch(self, name: str) -> Path:
         """A path for a file being written that will become a stored file (see :meth:`add_file`)."""
@@ -128,6 +191,12 @@ class Store:
     def output_path(self, batch_id: str) -> Path:
         """Where the batch's job publishes its whole result (and its report beside it)."""
         return self.root / "batches" / f"{batch_id}.results.jsonl"
+
+    def drop_batch_copies(self, batch_id: str) -> None:
+        """Removes the batch's own copies of its input and its whole result (its report stays:
+        it holds only counts and usage, which the batch object keeps showing)."""
+        self.input_path(batch_id).unlink(missing_ok=True)
+        self.output_path(batch_id).unlink(missing_ok=True)
 
     def add_batch(self, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
         """Registers a new batch, or returns the one made earlier with the same idempotency key."""

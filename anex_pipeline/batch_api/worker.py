@@ -24,7 +24,7 @@ from typing import Any
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.generate import live_progress
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.jobs import JobDir, default_report_path
 from anex_pipeline.merge import result_path
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
@@ -107,6 +107,8 @@ class BatchWorker:
             return RequestCounts(), None
         job = self.runner.storage.job(record.job_id)
         report_file = job.root / "report.json"
+        if not job.exists():  # removed by a prune: the published report (beside the result) stays
+            report_file = Path(default_report_path(str(self.store.output_path(record.id))))
         if record.finished and report_file.exists():
             report = JobReport.model_validate_json(report_file.read_text())
             counts = report.request_counts.model_copy()
@@ -219,7 +221,14 @@ class BatchWorker:
         delivered: dict[str, Any] = {}
         for field, path in (("output_file_id", out_path), ("error_file_id", err_path)):
             if rows[field]:
-                delivered[field] = self.store.add_file(record.owner, path.name, "batch_output", path).id
+                delivered[field] = self.store.add_file(
+                    record.owner,
+                    path.name,
+                    "batch_output",
+                    path,
+                    expires_after_s=record.output_expires_after_s,
+                    batch_id=record.id,
+                ).id
             else:
                 path.unlink()
         return delivered

@@ -38,7 +38,7 @@ from anex_pipeline.defs.partitions import JOBS, job_partitions, job_shard_key, j
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.jobs import JobDir, make_job_id, unfinished_shards
 from anex_pipeline.spec import JobReport
-from anex_pipeline.storage import unsafe_key
+from anex_pipeline.storage import read_regular_file, unsafe_key
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
 SIDECAR_SUFFIX = ".job.json"
@@ -88,6 +88,16 @@ def take_lease(job: JobDir) -> IO[bytes]:
     return lease
 
 
+def try_lease(job: JobDir) -> IO[bytes] | None:
+    """The job's lease if no live process holds it (kept until the returned file is closed), else None."""
+    job.root.mkdir(parents=True, exist_ok=True)
+    lease = (job.root / LEASE_NAME).open("ab")
+    if _lock(lease, fcntl.LOCK_EX):
+        return lease
+    lease.close()
+    return None
+
+
 def driven_by_cli(job: JobDir) -> bool:
     """True while a live process holds the job's lease (a lease file left by a dead one is free)."""
     try:
@@ -133,7 +143,7 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         if dims["job"] in jobs:
             jobs[dims["job"]].shards[int(dims["shard"])] = sid
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
-        job_id = run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+        job_id = job_of_run(run)
         if job_id not in jobs:
             continue
         if run.tags.get(LAUNCHED_BY_TAG) == "cli":  # live only while its process holds the lease
@@ -141,6 +151,19 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         else:
             jobs[job_id].busy = True
     return list(jobs.values())
+
+
+def job_of_run(run: dg.DagsterRun) -> str | None:
+    """The job a run works on, from its partition tags (a shard run names it in its job dimension)."""
+    return run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+
+
+def runs_of_job(instance: dg.DagsterInstance, job_id: str) -> list[dg.DagsterRun]:
+    """Every run of one job: its job-level steps and its shards."""
+    runs = {}
+    for tags in ({PARTITION_TAG: job_id}, {JOB_DIMENSION_TAG: job_id}):
+        runs.update({run.run_id: run for run in instance.get_runs(filters=dg.RunsFilter(tags=tags))})
+    return list(runs.values())
 
 
 @dataclass(frozen=True)
@@ -400,10 +423,10 @@ def take_new(
             break
         if context.instance.has_dynamic_partition(JOBS, arrival.job_id):
             continue
-        sidecar = read_sidecar(arrival)
         try:
+            sidecar = read_sidecar(arrival)
             options = {**defaults, **(options_from_json(sidecar, arrival.uri + SIDECAR_SUFFIX) if sidecar else {})}
-        except ValueError as exc:
+        except ValueError as exc:  # also a sidecar that is not UTF-8 or not a regular file
             context.log.error(f"{arrival.uri} is not submitted: {exc}. Fix the sidecar, then upload the input again.")
             continue
         requests.append(submit_request(arrival, options))
@@ -572,7 +595,7 @@ def local_inbox(
 
     def read_sidecar(arrival: Arrival) -> str | None:
         sidecar = Path(arrival.uri + SIDECAR_SUFFIX)
-        return sidecar.read_text(encoding="utf-8") if sidecar.exists() else None
+        return read_regular_file(sidecar).decode("utf-8") if sidecar.exists() else None
 
     return take_new(
         context, folder_arrivals(inbox, outbox, settings.settle_seconds), settings, read_sidecar, str(inbox)

@@ -25,19 +25,19 @@ progress = logging.getLogger("anex_pipeline.progress")
 RELEASE_WAIT_S = 5.0  # how long releasing waits for a load in progress before leaving it
 _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}
-_ended: dict[EngineSettings, int] = {}  # loads of these settings that ended, loaded or not
-_failed: dict[EngineSettings, str] = {}  # why the latest load of these settings failed
+FAILED_LOAD_KEPT_S = 60.0  # how long a failed load's reason answers for the same settings
+_failed: dict[EngineSettings, tuple[float, str]] = {}  # settings -> when and why their latest load failed
 
 
 class EngineLoadFailed(Exception):
     """The engine could not be loaded (e.g. the model is missing, its configuration is not one
-    vLLM accepts, or memory ran out): loading it again with the same settings fails the same way."""
+    vLLM accepts, or memory ran out): loading it again at once with the same settings would fail
+    the same way, so for :data:`FAILED_LOAD_KEPT_S` the same settings get the same failure."""
 
 
 def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
     first so two models never hold memory at once. An HTTP engine is only a client of its server."""
-    seen = _ended.get(settings, 0) if isinstance(settings, EngineSettings) else 0
     with _lock:
         if settings in _loaded and getattr(_loaded[settings], "dead", False):
             progress.info("the engine for %s died; loading it again", _loaded[settings].model_name)
@@ -48,12 +48,13 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             progress.info("sending rows to the model server at %s", settings.base_url)
             _loaded[settings] = OpenAIHttpEngine(settings)
             return _loaded[settings]
+        failed = _failed.get(settings)
+        if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_KEPT_S:  # e.g. a load ahead of time
+            raise EngineLoadFailed(failed[1])
         for other in list(_loaded):
             _shutdown(_loaded.pop(other))
         from anex_pipeline.engine.vllm_local import VllmLocalEngine
 
-        if _ended.get(settings, 0) > seen and settings in _failed:  # the load waited for just failed
-            raise EngineLoadFailed(_failed[settings])
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
         try:
@@ -61,13 +62,11 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         except Exception as exc:
             from anex_pipeline.stopping import JobStopped
 
-            _ended[settings] = _ended.get(settings, 0) + 1
             if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
-                _failed.pop(settings, None)
                 raise
-            _failed[settings] = f"the engine could not load {settings.model_name}: {' '.join(str(exc).split())[:600]}"
-            raise EngineLoadFailed(_failed[settings]) from exc
-        _ended[settings] = _ended.get(settings, 0) + 1
+            reason = f"the engine could not load {settings.model_name}: {' '.join(str(exc).split())[:600]}"
+            _failed[settings] = (time.monotonic(), reason)
+            raise EngineLoadFailed(reason) from exc
         _failed.pop(settings, None)
         progress.info("engine ready in %.1f s", time.monotonic() - started)
         _loaded[settings] = engine

@@ -70,9 +70,19 @@ def prompt_column(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
                 ]
             )
         return options.prompt_column
-    for name in PROMPT_COLUMNS[endpoint]:
-        if name in names:
-            return name
+    found = [name for name in PROMPT_COLUMNS[endpoint] if name in names]
+    if len(found) > 1:
+        raise ParquetInputError(
+            [
+                Problem(
+                    f"the file has both a '{found[0]}' and a '{found[1]}' column; set prompt_column to the one "
+                    "that holds the prompts (or rename the other)",
+                    field=found[1],
+                )
+            ]
+        )
+    if found:
+        return found[0]
     wanted = " or ".join(f"'{n}'" for n in PROMPT_COLUMNS[endpoint])
     raise ParquetInputError(
         [
@@ -82,6 +92,27 @@ def prompt_column(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
             )
         ]
     )
+
+
+def result_columns(schema: pa.Schema, endpoint: Endpoint) -> list[str]:
+    """The columns a job's result adds to the input's: ``row_index`` (when there is no ``id``), the
+    answer (or embedding) and ``error_type``."""
+    added = [] if "id" in schema.names else ["row_index"]
+    return [*added, arrow_checkpoint.value_field(endpoint).name, "error_type"]
+
+
+def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str) -> list[Problem]:
+    """A problem for each input column that a result column would replace."""
+    roles = {"row_index": "the row numbers", "error_type": "each row's error"}
+    return [
+        Problem(
+            f"is a column the result writes ({roles.get(name, 'the answers')}), so its values would be lost; "
+            "rename it in the file" + (" and set prompt_column to the new name" if name == prompt else ""),
+            field=name,
+        )
+        for name in result_columns(schema, endpoint)
+        if name in schema.names
+    ]
 
 
 def read_chunks(
@@ -98,6 +129,10 @@ def read_chunks(
         column = prompt_column(pf.schema_arrow, endpoint, options)
     except ParquetInputError as exc:
         yield from exc.problems
+        return
+    taken = _taken_names(pf.schema_arrow, endpoint, column)
+    if taken:
+        yield from taken
         return
     has_id = "id" in pf.schema_arrow.names
     columns = [column] + (["id"] if has_id and column != "id" else [])
@@ -258,7 +293,7 @@ def write_results(input_path: Path, out_path: Path, answers: Iterator[pa.Table],
     pf = open_input(input_path)
     add_index = "id" not in pf.schema_arrow.names
     value = arrow_checkpoint.value_field(endpoint)
-    fields = [f for f in pf.schema_arrow if f.name not in ("row_index", value.name, "error_type")]
+    fields = list(pf.schema_arrow)  # none of them has the name of a result column: checked at submit
     schema = pa.schema(
         fields
         + ([pa.field("row_index", pa.int64())] if add_index else [])

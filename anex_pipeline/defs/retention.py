@@ -1,0 +1,53 @@
+"""A schedule that prunes old jobs and expired Batch API files, as ``anex-pipeline prune`` does."""
+
+# No "from __future__ import annotations" here: Dagster reads the op's resource annotations.
+
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.retention import parse_age, prune
+
+
+class RetentionSettings(dg.ConfigurableResource):
+    """How long a job's work is kept after its last activity."""
+
+    max_age: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_RETENTION_MAX_AGE", "30d"),
+        description="Jobs not active for longer than this are removed (work folder and Dagster history; "
+        "results stay), e.g. 7d, 12h.",
+    )
+
+
+@dg.op(description="Removes jobs older than the retention age (never a running one) and expired Batch API files.")
+def prune_jobs(context: dg.OpExecutionContext, storage: StorageResource, retention_settings: RetentionSettings) -> None:
+    try:
+        older_than = parse_age(retention_settings.max_age)
+    except ValueError as exc:
+        raise dg.Failure(f"retention_settings.max_age (ANEX_RETENTION_MAX_AGE): {exc}") from None
+    removed = prune(context.instance, Path(storage.work_root).expanduser(), older_than)
+    for r in removed:
+        context.log.info(f"removed {r.kind} {r.id}: {r.reason}")
+    if not removed:
+        context.log.info(f"nothing to remove: no job is older than {retention_settings.max_age}, no file has expired")
+
+
+@dg.job(description="Prunes old jobs and expired Batch API files once.")
+def prune_job() -> None:
+    prune_jobs()
+
+
+prune_old_jobs = dg.ScheduleDefinition(
+    name="prune_old_jobs",
+    job=prune_job,
+    cron_schedule=os.environ.get("ANEX_RETENTION_CRON", "30 3 * * *"),
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    description=(
+        "Removes jobs not active for longer than max_age (ANEX_RETENTION_MAX_AGE, default 30d) that are not "
+        "running, with their Dagster runs and partition keys, and the Batch API's expired files; result files "
+        "stay. Daily by default (ANEX_RETENTION_CRON)."
+    ),
+)
