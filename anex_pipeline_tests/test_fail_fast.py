@@ -239,3 +239,79 @@ def test_a_job_where_every_row_failed_exits_1(
 def test_the_probe_client_makes_one_attempt_with_short_timeouts() -> None:
     config = StorageResource().s3_client(quick=True).meta.config
     assert config.retries["total_max_attempts"] == 1 and config.connect_timeout <= 5
+
+
+# -- the request bodies ----------------------------------------------------------------------------
+
+REAL_WORLD_BODY = {  # fields real OpenAI batch files carry, and vLLM's extras: all accepted
+    "model": models.DEFAULT_CHAT_MODEL,
+    "n": 1,
+    "user": "u-1",
+    "metadata": {"team": "a"},
+    "store": False,
+    "stream": False,
+    "stream_options": None,
+    "parallel_tool_calls": True,
+    "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "reasoning_effort": "low",
+    "service_tier": "auto",
+    "logit_bias": {"42": -100},
+    "seed": 7,
+    "stop": ["\n\n"],
+    "response_format": {"type": "text"},
+    "chat_template_kwargs": {"enable_thinking": False},
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "repetition_penalty": 1.1,
+    "min_tokens": 1,
+    "max_tokens": 16,
+    "max_completion_tokens": 16,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "stop_token_ids": [2],
+    "thinking_token_budget": 32,
+}
+
+
+def test_every_field_of_a_real_world_body_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "hi", **REAL_WORLD_BODY)])
+    assert main(["validate", str(src)]) == 0, capsys.readouterr().err
+
+
+BAD_BODIES = [
+    chat_row("good", "hi"),
+    chat_row("hot", "hi", temperature="hot"),
+    chat_row("negative", "hi", max_tokens=-5),
+    chat_row("wide", "hi", top_p=7),
+    chat_row("typo", "hi", max_tokenz=5),
+]
+BAD_FIELDS = [
+    (2, "body.temperature", "must be a number, got a string"),
+    (3, "body.max_tokens", "-5"),
+    (4, "body.top_p", "at most 1"),
+    (5, "body.max_tokenz", "did you mean 'max_tokens'?"),
+]
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_request_bodies_are_refused_at_submit_line_by_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a refused job reached the engine or the Dagster steps")
+
+    monkeypatch.setattr(JobRunner, "_execute", no_engine)
+    monkeypatch.setattr(vllm_local, "VllmLocalEngine", no_engine)
+    src = write_jsonl(tmp_path / "in.jsonl", BAD_BODIES)
+    argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl")] if command == "run" else [])
+    assert main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[anex]")]
+    assert "4 problem(s)" in lines[0], lines
+    for (line, field, says), text in zip(BAD_FIELDS, lines[1:], strict=True):
+        assert f"line {line}, field '{field}'" in text and says in text, text

@@ -30,7 +30,6 @@ from typing import Any
 
 from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.base import (
-    NON_SAMPLING_KEYS,
     EngineRequest,
     StopCheck,
     collect,
@@ -48,29 +47,11 @@ from anex_pipeline.parsing import (
     count_thinking_tokens,
     thinking_tags,
 )
+from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import RowOutcome
 
 log = logging.getLogger(__name__)
 
-SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "logit_bias",
-    }
-)
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
 SHUTDOWN_GRACE_S = 1.0
@@ -229,7 +210,7 @@ class VllmLocalEngine:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import StructuredOutputsParams
 
-        unknown = sorted(set(req.sampling) - SAMPLING_KEYS - NON_SAMPLING_KEYS)
+        unknown = sorted(set(req.sampling) - SAMPLING_FIELDS - NON_SAMPLING_FIELDS)
         if unknown:
             raise RequestProblem(f"unknown request parameter '{unknown[0]}'", unknown[0])
         room = self.max_model_len - prompt_len
