@@ -315,3 +315,27 @@ def test_bad_request_bodies_are_refused_at_submit_line_by_line(
     assert "4 problem(s)" in lines[0], lines
     for (line, field, says), text in zip(BAD_FIELDS, lines[1:], strict=True):
         assert f"line {line}, field '{field}'" in text and says in text, text
+
+
+@pytest.mark.parametrize("base_url", [None, "http://127.0.0.1:9"], ids=["in-process", "model-server"])
+def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it(
+    tmp_path: Path, instance: Any, base_url: str | None
+) -> None:
+    from anex_pipeline.definitions import build_definitions
+    from anex_pipeline.defs.partitions import JOBS
+    from anex_pipeline.defs.sensors import step_error_message
+    from anex_pipeline.runner import _first_error
+
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), FakeEngineResource(base_url=base_url))
+    instance.add_dynamic_partitions(JOBS, ["ui-job"])
+    config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"model": ABSENT}}
+    result = defs.resolve_job_def("submit_job").execute_in_process(
+        instance=instance,
+        partition_key="ui-job",
+        run_config={"ops": {"validated_input": {"config": config}}},
+        raise_on_error=False,
+    )
+    assert result.success == (base_url is not None)
+    if base_url is None:
+        assert ABSENT in step_error_message(_first_error(result))
