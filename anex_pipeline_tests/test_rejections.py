@@ -363,6 +363,7 @@ CASES = [
         field="response_format.json_schema",
     ),
     case("string-temperature", jsonl_bytes(GOOD, chat("r2", temperature="hot")), line=2, field="body.temperature"),
+    case("temperature-option-above-two", jsonl_bytes(GOOD), flags=("--temperature", "5"), field="temperature"),
     case("top-p-above-one", jsonl_bytes(GOOD, chat("r2", top_p=7)), line=2, field="body.top_p"),
     case(
         "misspelt-field",
