@@ -30,6 +30,12 @@ def engine_processes(llm: Any) -> list[BaseProcess]:
     return list(getattr(manager, "processes", None) or [])
 
 
+def engine_gone(llm: Any) -> bool:
+    """Whether an engine process of ``llm`` has ended, or vLLM's client has given its engine up."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False)) or any(not p.is_alive() for p in engine_processes(llm))
+
+
 @contextmanager
 def watch_engine(llm: Any) -> Iterator[None]:
     """Runs the body while a thread watches the engine processes of ``llm``.
