@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_if_same, start_time
+from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_all, kill_if_same, start_time
 
 GUARDED = """
 import json, multiprocessing, os, subprocess, sys, time
@@ -85,8 +85,7 @@ def test_a_killed_process_takes_its_descendants_along_but_not_its_caller(tmp_pat
     finally:
         guarded.kill()
         bystander.kill()
-        for pid, start in family.items():
-            kill_if_same(pid, start)
+        kill_all(family)
 
 
 def test_a_pid_that_now_names_another_process_is_spared() -> None:

@@ -150,7 +150,12 @@ def watch(parent: int) -> None:
     known: dict[int, int] = {}
     while not _parent_gone(SCAN_INTERVAL_S):
         known = descendants(parent, known)
-    known = descendants(parent, known)  # what started since the last look
+    kill_all(descendants(parent, known))  # with what started since the last look
+
+
+def kill_all(known: dict[int, int]) -> None:
+    """SIGKILLs the processes of ``known`` (pid -> start time) still alive, but for resource
+    trackers, which end by themselves once the rest are gone, removing their shared memory."""
     for pid, start in known.items():
         if not _resource_tracker(pid):
             kill_if_same(pid, start)
