@@ -33,7 +33,7 @@ RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 PPID, START = 1, 19  # fields of /proc/<pid>/stat, counted after the command name
 
 _lock = threading.Lock()
-_guard: subprocess.Popen[bytes] | None = None
+_guard: subprocess.Popen[bytes] | None = None  # held so that Python does not warn of it running on
 _guarded_pid: int | None = None  # the process _guard watches
 _pipe_end: int | None = None  # the write end; it closes when the process ends
 
