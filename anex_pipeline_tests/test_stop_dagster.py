@@ -5,11 +5,7 @@ its finished rows, and is not retried."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,15 +14,14 @@ from dagster_graphql import DagsterGraphQLClient
 from anex_pipeline.defs.partitions import job_shard_key
 from anex_pipeline.jobs import JobDir, shard_key
 from anex_pipeline.stopping import recorded_stop
-from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
+from anex_pipeline_tests.conftest import REPO, chat_row, write_jsonl
 from anex_pipeline_tests.test_webserver import (
     ADD_PARTITION,
     LOCATION_QUERY,
     Webserver,
-    free_port,
+    serving,
     step_errors,
     wait_for_run,
-    wait_until_loaded,
 )
 
 ROWS = 400
@@ -46,36 +41,18 @@ def messages(ws: Webserver, run_id: str) -> list[str]:
 
 
 def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_path: Path) -> None:
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text(DAEMONLESS_INSTANCE_YAML)
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(
         "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.stepping\n"
         f"      working_directory: {REPO}\n"
     )
-    port = free_port()
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "ANEX_WORK_DIR": str(tmp_path / "work"),
-        "ANEX_FAKE_STEP_S": "0.05",  # 400 rows take 20 s
-        "NO_PROXY": "127.0.0.1,localhost",
-    }
-    command = [sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port), "-w", str(workspace)]
-    with (tmp_path / "webserver.log").open("wb") as log:
-        server = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    ws = Webserver(f"http://127.0.0.1:{port}", port, tmp_path / "work", tmp_path)
-    try:
-        wait_until_loaded(ws, server, tmp_path / "webserver.log")
+    with serving(tmp_path, workspace, ANEX_FAKE_STEP_S="0.05") as ws:  # 400 rows take 20 s
         location = ws.graphql(LOCATION_QUERY)["workspaceOrError"]["locationEntries"][0]
         selector = {
             "repositoryLocationName": location["name"],
             "repositoryName": location["locationOrLoadError"]["repositories"][0]["name"],
         }
-        client = DagsterGraphQLClient("127.0.0.1", port_number=port)
+        client = DagsterGraphQLClient("127.0.0.1", port_number=ws.port)
         src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(ROWS)])
         ws.graphql(ADD_PARTITION, selector=selector, key="ui-stop")
         config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"max_tokens": 8}}
@@ -104,13 +81,6 @@ def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_pat
         assert wait_for_run(client, run_id) == "CANCELED"
         events = ws.graphql(RUN_EVENTS, runId=run_id)["logsForRun"]["events"]
         starts = [e["stepKey"] for e in events if e["__typename"] == "ExecutionStepStartEvent"]
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
     kept = [o.key for o in job.outcomes(0)]
     assert 0 < len(kept) < ROWS, "the finished rows were checkpointed, the rest not run"
     assert "cancelled by the user" in (recorded_stop(job) or "")

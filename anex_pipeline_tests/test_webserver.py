@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
-    root = tmp_path_factory.mktemp("webserver")
+@contextmanager
+def serving(root: Path, workspace: Path, **extra_env: str) -> Iterator[Webserver]:
+    """A real `dagster-webserver` on loopback for the workspace, with a daemonless instance under
+    ``root``; stopped (with its code server) on the way out."""
     home = root / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text(DAEMONLESS_INSTANCE_YAML)
@@ -98,9 +100,9 @@ def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
         "DAGSTER_HOME": str(home),
         "ANEX_WORK_DIR": str(root / "work"),
         "NO_PROXY": "127.0.0.1,localhost",
+        **extra_env,
     }
-    command = [sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port)]
-    command += ["-w", str(REPO / "workspace.yaml")]
+    command = [sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port), "-w", str(workspace)]
     with (root / "webserver.log").open("wb") as log:
         server = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -114,8 +116,14 @@ def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # the session this fixture started, and nothing else
+            os.killpg(server.pid, signal.SIGKILL)  # the session it was started in, and nothing else
             server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
+    with serving(tmp_path_factory.mktemp("webserver"), REPO / "workspace.yaml") as ws:
+        yield ws
 
 
 def wait_until_loaded(ws: Webserver, server: subprocess.Popen[bytes], log: Path) -> None:

@@ -8,6 +8,7 @@ import time
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
+from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.engine.vllm_local import EngineSettings
 
 __all__ = [
@@ -55,6 +56,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             _shutdown(_loaded.pop(other))
         from anex_pipeline.engine.vllm_local import VllmLocalEngine
 
+        guard_descendants()  # vLLM's processes must not outlive this one, however it ends
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
         try:

@@ -36,7 +36,7 @@ from anex_pipeline.engine.base import (
     engine_failure,
     rejected,
 )
-from anex_pipeline.engine.watchdog import EngineProcessDied, watch_engine
+from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -312,25 +312,65 @@ class VllmLocalEngine:
 
     def _start(self, req: EngineRequest, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
         """Hands one row to the engine, or records why it cannot run."""
-        from vllm.exceptions import VLLMValidationError
-
         try:
             ids = self._prompt_ids(req)
             params = self._sampling_params(req, len(ids))
             self._send(_Flight(req, ids, params), ids, params, flights)
-        except RequestProblem as p:
-            done.append(rejected(req, p.message, p.param))
-        except (VLLMValidationError, ValueError, TypeError) as exc:
-            done.append(rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))
+        except Exception as exc:
+            done.append(self._refused(req, exc))
+
+    def _refused(self, req: EngineRequest, exc: Exception) -> RowOutcome:
+        """The 400 of a row that could not be prepared or added, whatever the error (a tokeniser
+        fault, a value vLLM cannot serialise, a schema it refuses): one odd row must not fail its
+        shard. A dead engine is raised again instead, so that the shard fails and is retried."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, RequestProblem):
+            return rejected(req, exc.message, exc.param)
+        if isinstance(exc, EngineDeadError):
+            raise exc
+        if engine_gone(self.llm):  # the error came from the engine's death: fail the shard as such
+            raise EngineDeadError(suppress_context=True) from exc
+        log.info("row %s: vLLM refused it", req.key, exc_info=True)
+        known = isinstance(exc, (VLLMValidationError, ValueError, TypeError))
+        cause = _one_line(exc) if known else f"{type(exc).__name__}: {_one_line(exc)}"
+        return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
     def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
+        """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
+        engine (vLLM registers a request before it hands it to its engine process) and the error
+        is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
         request_id = f"anex-{next(self._request_ids)}"
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        engine = self.llm.llm_engine
+        try:
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        except Exception as exc:
+            if engine_gone(self.llm):
+                raise
+            engine.abort_request([request_id])
+            if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
+                raise RequestProblem(f"response_format cannot be used: {_one_line(exc)}", "response_format") from None
+            raise
         flights[request_id] = flight
+
+    def _constraint_usable(self, params: Any) -> bool:
+        """Whether vLLM accepts the row's structured-output constraint by itself (True when the row
+        has none); asked only after vLLM refused a row, to name the part at fault."""
+        if params.structured_outputs is None:
+            return True
+        processor = self.llm.llm_engine.input_processor
+        try:  # the constraint's part of the checks add_request runs
+            params.clone()._validate_structured_outputs(
+                processor.model_config, processor.structured_outputs_config, processor.tokenizer
+            )
+        except Exception:
+            return False
+        return True
 
     def _land(self, flight: _Flight, res: Any, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
         """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
@@ -338,7 +378,11 @@ class VllmLocalEngine:
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
             answer = Answer(list(out.token_ids), out.text, out.finish_reason)
-            if self._continue_after_notice(flight, answer, flights):
+            try:
+                if self._continue_after_notice(flight, answer, flights):
+                    return
+            except Exception as exc:  # the continuation could not be added
+                done.append(self._refused(flight.req, exc))
                 return
         else:
             answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason)
@@ -406,6 +450,15 @@ class VllmLocalEngine:
 
     def _completion_outcome(self, flight: _Flight, answer: Answer) -> RowOutcome:
         req = flight.req
+        if answer.finish_reason == "error" and req.constrained:
+            # vLLM ends a row this way when its grammar does not compile, or when the grammar
+            # allows no token at all (a schema that only refers to itself): the schema is at fault.
+            return rejected(
+                req,
+                "the model cannot follow response_format: its schema does not compile to a grammar, or the "
+                "grammar allows no output (e.g. a $ref that only refers to itself); fix the schema",
+                "response_format",
+            )
         if answer.finish_reason not in ("stop", "length"):
             return engine_failure(req, f"generation ended abnormally ({answer.finish_reason})")
         parsed = self._parsed(req, answer.text, answer.token_ids, flight.prompt_ids)
@@ -479,6 +532,11 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
     if tags is not None:  # the budget forces only the closing tags (see the module docstring)
         kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=tags.start, reasoning_end_str=tags.closing)
     return tags
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's text on one line (vLLM's grammar errors point at the fault over several)."""
+    return " ".join(str(exc).split())
 
 
 def _embedding_text(value: Any) -> str:

@@ -12,6 +12,7 @@ it turns the error into :class:`EngineProcessDied`, which says how the process e
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import Pipe, connection
@@ -28,6 +29,15 @@ def engine_processes(llm: Any) -> list[BaseProcess]:
     client = llm.llm_engine.engine_core
     manager = getattr(getattr(client, "resources", None), "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
+
+
+def engine_gone(llm: Any) -> bool:
+    """Whether an engine process of ``llm`` has ended, or vLLM's client has given its engine up.
+    It looks without reaping the process (see :func:`_exit_code`)."""
+    if getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_dead", False):
+        return True
+    processes = engine_processes(llm)
+    return bool(processes) and bool(connection.wait([p.sentinel for p in processes], timeout=0))
 
 
 @contextmanager
@@ -66,8 +76,19 @@ def _how_it_ended(processes: list[BaseProcess]) -> str:
     ended = connection.wait([p.sentinel for p in processes], timeout=1) if processes else []
     for p in processes:
         if p.sentinel in ended:
-            p.join(timeout=2)  # the exit status is known once the process is reaped
-            if p.exitcode is not None:
-                how = f" (signal {-p.exitcode})" if p.exitcode < 0 else f" (exit code {p.exitcode})"
+            code = _exit_code(p)
+            if code is not None:
+                how = f" (signal {-code})" if code < 0 else f" (exit code {code})"
             break
     return f"the vLLM engine process died{how} during generation; finished rows are kept, rerun to resume"
+
+
+def _exit_code(process: BaseProcess, timeout: float = 2.0) -> int | None:
+    """The exit code of an ended process. vLLM's monitor thread reaps it too: when it wins the
+    race, our own wait finds nothing to reap and the code appears only once that thread has
+    stored it, so it is polled for."""
+    deadline = time.monotonic() + timeout
+    process.join(timeout=timeout)
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode

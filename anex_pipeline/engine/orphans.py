@@ -1,0 +1,165 @@
+"""A guard that kills this process's descendants when this process ends, however it ends.
+
+vLLM runs a model in processes of its own (``VLLM::EngineCore`` and the ``VLLM::Worker`` under it,
+gigabytes together) and nothing in them watches the process that started them: after a SIGKILL of
+that process they live on, and a rerun loads a second engine beside them. Killing the process
+group instead is no answer, since a command started without a group of its own shares its
+caller's.
+
+:func:`guard_descendants` starts a small guard process that holds the read end of a pipe whose
+only write end stays in this process; the kernel closes that end when this process ends, by exit,
+crash or signal. Until then the guard notes this process's descendants every ``SCAN_INTERVAL_S``
+(pid and start time from /proc, so that a pid the system later gives to an unrelated process is
+never taken for one of them). When the pipe closes it looks once more, SIGKILLs every noted
+process that is still the same process, and exits. A multiprocessing resource tracker is spared:
+it ends by itself once the processes it serves are gone, after removing the shared memory they
+left behind.
+
+The guard is this file run as a script in an isolated interpreter (standard library only), so it
+starts in a few tens of milliseconds and stays small.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+
+SCAN_INTERVAL_S = 0.2
+RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
+PPID, START = 1, 19  # fields of /proc/<pid>/stat, counted after the command name
+
+_lock = threading.Lock()
+_guard: subprocess.Popen[bytes] | None = None  # held so that Python does not warn of it running on
+_guarded_pid: int | None = None  # the process _guard watches
+_pipe_end: int | None = None  # the write end; it closes when the process ends
+
+
+def guard_descendants() -> None:
+    """Makes sure a guard kills this process's descendants when it ends (one guard per process;
+    a forked child that calls this gets its own)."""
+    global _guard, _guarded_pid, _pipe_end
+    with _lock:
+        if _guarded_pid == os.getpid():
+            return
+        read_end, write_end = os.pipe()  # neither end is inherited by the processes we start
+        try:
+            _guard = subprocess.Popen(
+                [sys.executable, "-I", "-S", __file__, str(os.getpid())],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,  # nor does it hold the caller's output pipes open
+                start_new_session=True,  # a Ctrl-C or a kill of our group must not stop the guard
+            )
+        finally:
+            os.close(read_end)
+        _guarded_pid, _pipe_end = os.getpid(), write_end
+
+
+def _after_fork_in_child() -> None:
+    # A forked child must not keep its parent's pipe open: the parent's guard would wait on it.
+    global _guard, _guarded_pid, _pipe_end
+    if _pipe_end is not None:
+        os.close(_pipe_end)
+    _guard, _guarded_pid, _pipe_end = None, None, None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every process on the machine: pid -> (parent pid, start time in clock ticks since boot)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := _stat(int(name))) is not None:
+            table[int(name)] = (int(fields[PPID]), int(fields[START]))
+    return table
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot); None when there is no such process."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[START])
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat that follow the command name (which, in brackets, may hold
+    anything); None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def descendants(root: int, known: dict[int, int] | None = None) -> dict[int, int]:
+    """``known`` (pid -> start time) brought up to date: what ended or is now another process is
+    dropped, and every descendant of ``root`` or of a known process still alive is added."""
+    table = process_table()
+    known = {pid: start for pid, start in (known or {}).items() if table.get(pid, (0, -1))[1] == start}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    me = os.getpid()
+    stack = [root, *known]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child != me and child not in known:
+                known[child] = table[child][1]
+                stack.append(child)
+    return known
+
+
+def kill_if_same(pid: int, start: int) -> bool:
+    """SIGKILLs ``pid`` if it is still the process that started at ``start``; returns whether it did."""
+    try:
+        handle = os.pidfd_open(pid)  # from here on the pid cannot pass to another process
+    except OSError:
+        return False
+    try:
+        if start_time(pid) != start:
+            return False
+        signal.pidfd_send_signal(handle, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(handle)
+
+
+def _resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return RESOURCE_TRACKER in f.read()
+    except OSError:
+        return False
+
+
+def _parent_gone(timeout: float) -> bool:
+    """Waits up to ``timeout`` for the pipe on stdin to close (nothing is ever written to it)."""
+    ready, _, _ = select.select([0], [], [], timeout)
+    return bool(ready) and os.read(0, 1) == b""
+
+
+def watch(parent: int) -> None:
+    """The guard's work: note ``parent``'s descendants until the pipe closes, then kill them."""
+    known: dict[int, int] = {}
+    while not _parent_gone(SCAN_INTERVAL_S):
+        known = descendants(parent, known)
+    kill_all(descendants(parent, known))  # with what started since the last look
+
+
+def kill_all(known: dict[int, int]) -> None:
+    """SIGKILLs the processes of ``known`` (pid -> start time) still alive, but for resource
+    trackers, which end by themselves once the rest are gone, removing their shared memory."""
+    for pid, start in known.items():
+        if not _resource_tracker(pid):
+            kill_if_same(pid, start)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]))

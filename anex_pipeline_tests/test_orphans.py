@@ -1,0 +1,101 @@
+"""The guard that kills a process's descendants when that process is killed, on real processes:
+a spawned child holding shared memory (as vLLM's engine does), a child with a child of its own, a
+forked child; the process under guard shares the test's process group, as a command started
+from a shell script would."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_all, kill_if_same, start_time
+
+GUARDED = """
+import json, multiprocessing, os, subprocess, sys, time
+from multiprocessing import shared_memory
+from anex_pipeline.engine import orphans
+
+def hold(name):
+    memory = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    orphans.guard_descendants()
+    holder = multiprocessing.get_context("spawn").Process(target=hold, args=(sys.argv[1],))
+    holder.start()
+    subprocess.Popen(["sh", "-c", "sleep 600 & exec sleep 601"])
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    while not os.path.exists("/dev/shm/" + sys.argv[1]):
+        time.sleep(0.01)
+    time.sleep(2 * orphans.SCAN_INTERVAL_S)  # the guard has looked at the family since
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_killed_process_takes_its_descendants_along_but_not_its_caller(tmp_path: Path) -> None:
+    memory = f"anex-test-{uuid.uuid4().hex[:12]}"
+    bystander = subprocess.Popen(["sleep", "600"])  # the caller's own child: not the guarded one's
+    script = tmp_path / "guarded.py"  # a file: spawned children import their target from it
+    script.write_text(GUARDED)
+    guarded = subprocess.Popen([sys.executable, str(script), memory], stdout=subprocess.PIPE, text=True)
+    family: dict[int, int] = {}
+    try:
+        assert guarded.stdout is not None
+        assert select.select([guarded.stdout], [], [], 60)[0], "the guarded process never got its family ready"
+        assert guarded.stdout.readline() == "ready\n"
+        family = descendants(guarded.pid)
+        lines = {pid: command_line(pid) for pid in family}
+        trackers = [pid for pid, line in lines.items() if RESOURCE_TRACKER in line]
+        assert len(trackers) == 1 and len(family) == 6, lines  # guard, tracker, holder, two sleeps, fork
+        assert sum(b"sleep" in line for line in lines.values()) == 2, lines
+
+        guarded.kill()
+        guarded.wait()
+        killed_at = time.monotonic()
+        wait_until(
+            lambda: all(start_time(pid) != start for pid, start in family.items() if pid not in trackers),
+            5,
+            "descendants of the killed process were alive 5 s after it",
+        )
+        took = time.monotonic() - killed_at
+        # The resource tracker was left to finish: it removed the shared memory the holder left.
+        wait_until(lambda: not Path("/dev/shm", memory).exists(), 5, "the shared memory was not removed")
+        wait_until(lambda: start_time(trackers[0]) != family[trackers[0]], 5, "the resource tracker lives on")
+        assert bystander.poll() is None  # nothing outside the family was touched
+        assert took < 2, f"the descendants took {took:.1f} s to die"
+    finally:
+        guarded.kill()
+        bystander.kill()
+        kill_all(family)
+
+
+def test_a_pid_that_now_names_another_process_is_spared() -> None:
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        started = start_time(sleeper.pid)
+        assert started is not None
+        assert not kill_if_same(sleeper.pid, started + 1)  # as if the pid had been given to a new process
+        assert sleeper.poll() is None
+        assert kill_if_same(sleeper.pid, started)
+        assert sleeper.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
