@@ -54,7 +54,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             raise EngineLoadFailed(failed[1])
         for other in list(_loaded):
             _shutdown(_loaded.pop(other))
-        from anex_pipeline.engine.vllm_local import VllmLocalEngine
+        from anex_pipeline.engine.vllm_local import VllmLocalEngine, one_line
 
         guard_descendants()  # vLLM's processes must not outlive this one, however it ends
         started = time.monotonic()
@@ -66,7 +66,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
 
             if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
                 raise
-            reason = f"the engine could not load {settings.model_name}: {' '.join(str(exc).split())[:600]}"
+            reason = f"the engine could not load {settings.model_name}: {one_line(exc)[:600]}"
             _failed[settings] = (time.monotonic(), reason)
             raise EngineLoadFailed(reason) from exc
         _failed.pop(settings, None)

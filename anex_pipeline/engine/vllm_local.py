@@ -334,7 +334,7 @@ class VllmLocalEngine:
             raise EngineDeadError(suppress_context=True) from exc
         log.info("row %s: vLLM refused it", req.key, exc_info=True)
         known = isinstance(exc, (VLLMValidationError, ValueError, TypeError))
-        cause = _one_line(exc) if known else f"{type(exc).__name__}: {_one_line(exc)}"
+        cause = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
     def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
@@ -354,7 +354,7 @@ class VllmLocalEngine:
                 raise
             engine.abort_request([request_id])
             if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
-                raise RequestProblem(f"response_format cannot be used: {_one_line(exc)}", "response_format") from None
+                raise RequestProblem(f"response_format cannot be used: {one_line(exc)}", "response_format") from None
             raise
         flights[request_id] = flight
 
@@ -534,7 +534,7 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
     return tags
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """An error's text on one line (vLLM's grammar errors point at the fault over several)."""
     return " ".join(str(exc).split())
 
