@@ -339,3 +339,25 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     assert result.success == (base_url is not None)
     if base_url is None:
         assert ABSENT in step_error_message(_first_error(result))
+
+
+@pytest.mark.engine
+def test_a_real_engine_that_refuses_its_configuration_fails_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM refuses a context longer than the model's: the job fails with that reason, no retry."""
+    loads = []
+    real = vllm_local.VllmLocalEngine
+    monkeypatch.setattr(vllm_local, "VllmLocalEngine", lambda settings: loads.append(settings) or real(settings))
+    monkeypatch.setattr(engine_module, "_failed", {}, raising=False)  # a fresh memory of failed loads
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    argv = ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--max-tokens", "8", "--quiet"]
+    started = time.monotonic()
+    code = main([*argv, "--max-model-len", "99999999"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    last = err.splitlines()[-1]
+    assert "the engine could not load" in last and "99999999" in last, err
+    assert "max_retries" not in err and "Traceback" not in err, err
+    assert len(loads) == 1
+    assert time.monotonic() - started < 120
