@@ -265,12 +265,14 @@ def model_unavailable(name: str | None) -> str | None:
     except HFValidationError:
         return f"model {name!r} is neither a bundled model, a local folder nor a valid Hugging Face id"
     looked = f"not a bundled model, not a local folder, not in the Hugging Face cache at {constants.HF_HUB_CACHE}"
+    fetch = f"; download it first (hf download {name}) or name a local folder"
     if hub_offline():
-        return f"model {name!r} was not found: {looked}, and the hub is offline (HF_HUB_OFFLINE is set)"
+        return f"model {name!r} was not found: {looked}, and the hub is offline (HF_HUB_OFFLINE is set){fetch}"
     try:
         HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S)
     except RepositoryNotFoundError:
-        return f"model {name!r} was not found: {looked}, and the hub has no such model (or it is private)"
+        missing = "and the hub has none by that name; check its spelling (a private model needs a token: hf auth login)"
+        return f"model {name!r} was not found: {looked}, {missing}"
     except Exception as exc:  # no network, a timeout, the hub down: vLLM could not download it either
-        return f"model {name!r} was not found: {looked}, and the hub could not be reached ({exc})"
+        return f"model {name!r} was not found: {looked}, and the hub could not be reached ({exc}){fetch}"
     return None
