@@ -1,7 +1,8 @@
 """The ``anex-pipeline`` command: run, validate, backfill, report, serve, and list, delete and prune jobs.
 
-Exit codes: 0 when the job completed (failed rows included), 1 when it failed or stopped early,
-2 when it was rejected at submit (nothing ran, no result file).
+Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
+1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit (nothing
+ran, no result file).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -455,6 +457,11 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
 
 def _finish(report: Any) -> int:
     print(report.model_dump_json(indent=2))
+    counts = report.request_counts
+    if report.status == "completed" and counts.total and not counts.completed:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(report.error_counts.items(), key=lambda kv: -kv[1]))
+        print(f"job failed: no row succeeded ({kinds}); each row's error is in {report.output}", file=sys.stderr)
+        return EXIT_STOPPED
     if report.status == "completed":
         print(f"result: {report.output}", file=sys.stderr)
         return EXIT_OK
@@ -463,13 +470,26 @@ def _finish(report: Any) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from anex_pipeline.jobs import check_input
-    from anex_pipeline.spec import JobRejected, Problem
+    from anex_pipeline.storage import is_s3
     from anex_pipeline.validate import parse_options
 
     options = parse_options(collect_options(args))
-    kind, endpoint, rows = check_input(Path(args.input), options)
-    count, problems, problem_count = 0, [], 0
+    if not is_s3(args.input):
+        return _validate(args, options, Path(args.input))
+    from anex_pipeline.defs.resources import StorageResource  # imports Dagster: only for an S3 input
+
+    with tempfile.TemporaryDirectory(prefix="anex-validate-") as downloads:
+        return _validate(args, options, StorageResource().local_input(args.input, Path(downloads)))
+
+
+def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
+    from anex_pipeline.jobs import check_input, model_problems
+    from anex_pipeline.spec import JobRejected, Problem
+
+    kind, endpoint, rows = check_input(path, options)
+    # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
+    problems = [] if os.environ.get("ANEX_ENGINE_BASE_URL") else model_problems(options.model)
+    count, problem_count = 0, len(problems)
     for item in rows:
         if isinstance(item, Problem):
             problem_count += 1

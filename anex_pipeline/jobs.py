@@ -36,9 +36,9 @@ from anex_pipeline.formats import (
     sniff_format,
     write_error,
 )
-from anex_pipeline.models import resolve_model
+from anex_pipeline.models import model_unavailable, resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
-from anex_pipeline.storage import is_s3
+from anex_pipeline.storage import is_s3, output_problem
 
 ROWS_PER_SHARD = 4096
 MAX_REPORTED_PROBLEMS = 1000
@@ -557,6 +557,12 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
     return kind, endpoint, rows()
 
 
+def model_problems(model: str | None) -> list[Problem]:
+    """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
+    why = model_unavailable(model)
+    return [Problem(why, field="model")] if why else []
+
+
 def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
     """Refuses an output or report that is a file the job reads (the input, its sidecar
     ``<input>.job.json``, the options file) or each other, whatever the path's spelling (``..``,
@@ -604,9 +610,13 @@ def prepare_job(
     *,
     report: str | None = None,
     job_id: str | None = None,
+    local_model: bool = True,
+    s3_client: Any = None,
     options_file: Path | None = None,
 ) -> JobDir:
-    """Checks the input and writes the job's shards and manifest; raises JobRejected on problems.
+    """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
+    a model server) and that the result and report locations can be written (``s3_client`` for
+    s3:// ones), then writes the job's shards and manifest; raises JobRejected on problems.
 
     ``options_file``: the file the options were read from, if any, which the job must not write
     over. Idempotent: a job whose manifest already exists for the same input content is reused as
@@ -614,7 +624,12 @@ def prepare_job(
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options)
-    check_destinations(input_path, output, report or default_report_path(output), options_file)
+    report = report or default_report_path(output)
+    check_destinations(input_path, output, report, options_file)
+    found = model_problems(options.model) if local_model else []
+    for dest in dict.fromkeys((output, report)):
+        if why := output_problem(dest, s3_client):
+            found.append(Problem(why, field="output" if dest == output else "report"))
     sha = file_sha256(input_path)
     raw_options = options.model_dump(exclude_defaults=True)
     # The output is not part of the id: a job whose result could not be written resumes, with
@@ -622,17 +637,18 @@ def prepare_job(
     job_id = job_id or make_job_id(input_path, sha, raw_options)
     job = JobDir(work_root, job_id)
     if job.exists() and job.manifest().input_sha256 == sha:
+        if found:
+            raise JobRejected(found)
         manifest = job.manifest()
-        report_path = report or default_report_path(output)
-        if (manifest.output, manifest.report) != (output, report_path):
-            moved = manifest.model_copy(update={"output": output, "report": report_path})
+        if (manifest.output, manifest.report) != (output, report):
+            moved = manifest.model_copy(update={"output": output, "report": report})
             atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
         return job
     job.root.mkdir(parents=True, exist_ok=True)
     module = FORMATS[kind]
     staging = job.root / "rows.staging"
-    problems: list[Problem] = []
-    problem_count = 0
+    problems: list[Problem] = found
+    problem_count = len(found)
     total = 0
     out = module.Staging(staging)
     try:
@@ -662,7 +678,7 @@ def prepare_job(
         input=str(input_path.resolve()),
         input_sha256=sha,
         output=output,
-        report=report or default_report_path(output),
+        report=report,
         format=kind,
         endpoint=endpoint,
         model=str(model_path),

@@ -232,3 +232,47 @@ def local_model_path(reference: str) -> str:
     if reference == DEFAULT_EMBEDDING_MODEL:
         return str(embedding_model_dir())
     return reference
+
+
+HUB_CHECK_TIMEOUT_S = 5.0  # the one online look-up of a model that is not in the local cache
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub must not be contacted (``HF_HUB_OFFLINE`` set to a true value)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def model_unavailable(name: str | None) -> str | None:
+    """Why vLLM could not load the model a job names, or None when it can: a bundled model, a
+    local folder (or GGUF file), a hub id in the local Hugging Face cache, or, unless the hub is
+    offline, a hub id that one quick look-up finds there (vLLM downloads it). Never retries."""
+    if name is None or name.lower() in _BUNDLED_ALIASES:
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return None
+    if path.exists():
+        return f"model {name!r} is a file, not a model folder; name the folder that holds its config.json"
+    if name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        return f"model {name!r} is neither a bundled model, a local folder nor a Hugging Face id like org/name"
+
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError:
+        return f"model {name!r} is neither a bundled model, a local folder nor a valid Hugging Face id"
+    looked = f"not a bundled model, not a local folder, not in the Hugging Face cache at {constants.HF_HUB_CACHE}"
+    fetch = f"; download it first (hf download {name}) or name a local folder"
+    if hub_offline():
+        return f"model {name!r} was not found: {looked}, and the hub is offline (HF_HUB_OFFLINE is set){fetch}"
+    try:
+        HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        missing = "and the hub has none by that name; check its spelling (a private model needs a token: hf auth login)"
+        return f"model {name!r} was not found: {looked}, {missing}"
+    except Exception as exc:  # no network, a timeout, the hub down: vLLM could not download it either
+        return f"model {name!r} was not found: {looked}, and the hub could not be reached ({exc}){fetch}"
+    return None

@@ -27,6 +27,7 @@ from anex_pipeline.jobs import JobDir, JobManifest, prepare_job, unfinished_shar
 from anex_pipeline.merge import record_timing
 from anex_pipeline.spec import JobReport
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
+from anex_pipeline.storage import is_s3
 from anex_pipeline.validate import parse_options
 
 log = logging.getLogger("anex_pipeline.progress")
@@ -67,12 +68,15 @@ class JobRunner:
         """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
         is where ``raw_options`` were read from, if from a file."""
         options = parse_options(raw_options)
+        work_root = Path(self.storage.work_root).expanduser()
         job = prepare_job(
-            Path(input_path),
+            self.storage.local_input(input_path, work_root / "inputs"),
             output,
             options,
-            Path(self.storage.work_root).expanduser(),
+            work_root,
             report=report,
+            local_model=not self.engine.base_url,
+            s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
             options_file=Path(options_file) if options_file else None,
         )
         self._hold(job)
@@ -173,6 +177,10 @@ class JobRunner:
             if error is not None and error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
                 raise _Interrupted()
             raise StepFailed(step_error_message(error) if error else f"{job_name} failed for {partition_key}")
+
+
+def _uses_s3(*locations: str | None) -> bool:
+    return any(is_s3(where) for where in locations if where)
 
 
 def _first_error(result: dg.ExecuteInProcessResult) -> Any:

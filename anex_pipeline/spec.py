@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from anex_pipeline.request_fields import SAMPLING_FIELDS
+
 Endpoint = Literal["chat", "completions", "embeddings"]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
@@ -80,17 +82,11 @@ class JobOptions(_Strict):
 
     def sampling_defaults(self) -> dict[str, Any]:
         """Job-level sampling values that fill in under each row's own body values."""
-        names = (
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "stop",
-        )
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {n: getattr(self, n) for n in SAMPLING_OPTIONS if getattr(self, n) is not None}
+
+
+# The job options that are sampling fields of a request body too: the defaults of every row.
+SAMPLING_OPTIONS = tuple(name for name in JobOptions.model_fields if name in SAMPLING_FIELDS)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 import stat
+import tempfile
+import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -88,16 +90,57 @@ def publish(src: Path, dest: str, s3_client: Any = None) -> str:
     return str(target)
 
 
+def output_problem(dest: str, s3_client: Any = None) -> str | None:
+    """Why a result could not be written to ``dest``, found before any work by writing and removing
+    a small probe there (an S3 client with short timeouts and no retries keeps this quick); None
+    when it can be written."""
+    if is_s3(dest):
+        if s3_client is None:
+            return f"cannot write {dest}: no S3 client is configured"
+        bucket, key = split_s3(dest)
+        problem = unsafe_key(key)
+        if problem:
+            return f"cannot write {dest[:300]!r}: the key {problem}; choose another output key"
+        prefix = key.rpartition("/")[0]
+        probe = f"{prefix}/.anex-probe-{uuid.uuid4().hex}" if prefix else f".anex-probe-{uuid.uuid4().hex}"
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            s3_client.put_object(Bucket=bucket, Key=probe, Body=b"")
+            s3_client.delete_object(Bucket=bucket, Key=probe)
+        except (BotoCoreError, ClientError) as exc:
+            return f"cannot write {dest}: {exc}; check the bucket name and the S3 credentials, or choose another output"
+        return None
+    target = Path(dest).expanduser()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        cause = exc.strerror or exc
+        return f"cannot write the result to {target}: {cause}; make its folder writable or choose another output"
+    return None
+
+
 def localize_input(uri: str, dest_dir: Path, s3_client: Any = None) -> Path:
     """A local path for the input: the path itself, or a downloaded copy of an S3 object."""
     if not is_s3(uri):
         return Path(uri).expanduser()
     if s3_client is None:
         raise ValueError(f"cannot read {uri}: no S3 client is configured")
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from anex_pipeline.spec import JobRejected, Problem
+
     bucket, key = split_s3(uri)
     dest_dir.mkdir(parents=True, exist_ok=True)
     target = dest_dir / local_name(key)
     tmp = target.with_name(f".{target.name}.partial")
-    s3_client.download_file(bucket, key, str(tmp))
+    try:
+        s3_client.download_file(bucket, key, str(tmp))
+    except (BotoCoreError, ClientError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise JobRejected([Problem(f"cannot read the input {uri}: {exc}")]) from None
     os.replace(tmp, target)
     return target

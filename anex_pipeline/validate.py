@@ -14,12 +14,22 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
 from anex_pipeline.spec import Endpoint, JobOptions, JobRejected, Problem
 
 FieldProblem = tuple[str, str]
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# How a kind of JSON value is named in a message.
+KIND_WORDS = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    dict: "an object",
+}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine takes a seed as a signed 64-bit integer
 INT32_MAX = 2**31 - 1
 # Integer request fields and job options with the values the engine can take: (lowest, highest).
@@ -120,12 +130,34 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         problems.append(
             ("body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs")
         )
+    problems += _check_fields(body, endpoint)
     n = body.get("n", 1)
     if n != 1:
         problems.append(("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}"))
+    return problems
+
+
+def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:
+    """The fields the endpoint does not take, and values of the wrong kind or out of range
+    (see :mod:`anex_pipeline.request_fields`; integer ranges are :func:`check_numbers`')."""
+    accepted = fields_of(endpoint)
+    problems: list[FieldProblem] = []
+    for name, value in body.items():  # runs for every row: a look-up and a type test per field
+        spec = accepted.get(name)
+        if spec is None:
+            problems.append((f"body.{name}", unknown_field(name, endpoint)))
+        elif not spec.kinds or (value is None and not spec.sampling):
+            continue  # checked on its own, or an unset envelope field as OpenAI clients write them
+        elif type(value) not in spec.kinds:
+            wanted = " or ".join(KIND_WORDS[k] for k in spec.kinds if not (k is int and float in spec.kinds))
+            problems.append((f"body.{name}", f"must be {wanted}, got {_kind(value)}"))
+        elif type(value) is float and not math.isfinite(value):
+            continue  # check_numbers says so
+        elif type(value) in NUMBER and (why := spec.out_of_range(value)) is not None:
+            problems.append((f"body.{name}", why))
     return problems
 
 
@@ -231,6 +263,9 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
             problems.append(Problem(f"{msg} (options)", field=loc))
         raise JobRejected(problems) from None
     _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
+    found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
+    if found:
+        raise JobRejected([Problem(f"{m} (options)", field=f.removeprefix("body.")) for f, m in found])
     if options.response_format is not None:
         found = check_response_format(options.response_format, "response_format")
         if found:

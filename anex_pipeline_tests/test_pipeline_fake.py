@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -183,8 +184,9 @@ def test_unwritable_output_fails_clearly_and_loses_nothing(tmp_path: Path, fake_
     from anex_pipeline.runner import StepFailed
 
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"u{i}", f"q {i}", max_tokens=20) for i in range(12)])
-    (tmp_path / "a-file").write_text("not a folder")
     job = fake_runner.submit(str(src), str(tmp_path / "a-file" / "out.jsonl"), {})
+    shutil.rmtree(tmp_path / "a-file")  # the location breaks after submit, which refuses it up front
+    (tmp_path / "a-file").write_text("not a folder")
     engine = shared_fake_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(StepFailed, match="cannot write the result"):
         fake_runner.run(job)

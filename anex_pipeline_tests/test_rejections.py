@@ -362,6 +362,23 @@ CASES = [
         options={"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
         field="response_format.json_schema",
     ),
+    case("string-temperature", jsonl_bytes(GOOD, chat("r2", temperature="hot")), line=2, field="body.temperature"),
+    case("temperature-option-above-two", jsonl_bytes(GOOD), flags=("--temperature", "5"), field="temperature"),
+    case("top-p-above-one", jsonl_bytes(GOOD, chat("r2", top_p=7)), line=2, field="body.top_p"),
+    case(
+        "misspelt-field",
+        jsonl_bytes(GOOD, chat("r2", max_tokenz=5)),
+        line=2,
+        field="body.max_tokenz",
+        says=("did you mean 'max_tokens'",),
+    ),
+    case(
+        "chat-field-on-embeddings",
+        jsonl_bytes(embedding("e1", input="x"), embedding("e2", input="y", tools=[])),
+        line=2,
+        field="body.tools",
+        says=("not a field of embeddings requests",),
+    ),
     case("model-option-differs-from-rows", jsonl_bytes(chat("r1", model="a/b")), flags=("--model", "c/d"), line=1),
     # --- Parquet --------------------------------------------------------------------------------
     case("parquet-named-but-jsonl", jsonl_bytes(GOOD), name="in.parquet", says=("not a Parquet file",)),

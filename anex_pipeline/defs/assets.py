@@ -18,14 +18,15 @@ from anex_pipeline import media
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
 from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.engine import EngineLoadFailed
 from anex_pipeline.estimate import estimate_lengths
 from anex_pipeline.generate import run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.ledger import account_rows
 from anex_pipeline.merge import merge_job, nothing_delivered, record_timing, result_path
 from anex_pipeline.spec import JobRejected, JobReport
-from anex_pipeline.stopping import JobStopped, load_interruptibly, stopping_on_signals
-from anex_pipeline.storage import localize_input, publish
+from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
+from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
 
 GROUP = "batch_job"
@@ -59,12 +60,16 @@ def _job(context: dg.AssetExecutionContext, storage: StorageResource) -> JobDir:
 @contextmanager
 def _stoppable(job: JobDir) -> Iterator[None]:
     """Stop signals stop the job; a stopped job fails its step for good (retries are for engine
-    faults, not for a job that was told to stop)."""
+    faults, not for a job that was told to stop). So does an engine that cannot load, and it
+    stops the job with that reason: no other step of the job loads it again in vain."""
     try:
         with stopping_on_signals(job):
             yield
     except JobStopped as exc:
         raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
+    except EngineLoadFailed as exc:
+        request_stop(job, str(exc))
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
 
 
 def _shard(context: dg.AssetExecutionContext) -> int:
@@ -79,7 +84,7 @@ def _shard(context: dg.AssetExecutionContext) -> int:
     description="Checks every row of the input file and splits the valid rows into shards.",
 )
 def validated_input(
-    context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource
+    context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource, engine: EngineResource
 ) -> dg.MaterializeResult:
     job = storage.job(context.partition_key)
     started = time.monotonic()
@@ -91,7 +96,14 @@ def validated_input(
             local = localize_input(config.input, job.root / "input", s3)
             options = parse_options(config.options.model_dump())
             job = prepare_job(
-                local, config.output, options, job.root.parent, report=config.report or None, job_id=job.job_id
+                local,
+                config.output,
+                options,
+                job.root.parent,
+                report=config.report or None,
+                job_id=job.job_id,
+                local_model=not engine.base_url,
+                s3_client=storage.s3_client(quick=True) if is_s3(config.output) or is_s3(config.report) else None,
             )
             job.start_clock(options.time_limit_s)  # launched from Dagster: the limit runs from submission
         except JobRejected as exc:

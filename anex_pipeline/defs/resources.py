@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from pydantic import Field
 from anex_pipeline.engine import Engine, EngineSettings, HttpSettings, load_engine, release_engines
 from anex_pipeline.jobs import JobDir, JobManifest
 from anex_pipeline.models import cache_root, local_model_path
+from anex_pipeline.storage import is_s3, localize_input
 
 
 def default_work_root() -> str:
@@ -28,10 +30,22 @@ class StorageResource(dg.ConfigurableResource):
     def job(self, job_id: str) -> JobDir:
         return JobDir(Path(self.work_root).expanduser(), job_id)
 
-    def s3_client(self) -> Any:
-        import boto3
+    def local_input(self, uri: str, downloads: Path) -> Path:
+        """The input as a local file: a path as it is, an s3:// object downloaded into a folder of
+        ``downloads`` named after the URI."""
+        if not is_s3(uri):
+            return Path(uri).expanduser()
+        folder = downloads / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        return localize_input(uri, folder, self.s3_client())
 
-        return boto3.client("s3", endpoint_url=self.s3_endpoint_url, region_name=self.s3_region)
+    def s3_client(self, quick: bool = False) -> Any:
+        """A boto3 S3 client; ``quick`` bounds its timeouts and makes one attempt per call, for
+        checks at submit that must answer in seconds."""
+        import boto3
+        from botocore.config import Config
+
+        config = Config(connect_timeout=5, read_timeout=10, retries={"total_max_attempts": 1}) if quick else None
+        return boto3.client("s3", endpoint_url=self.s3_endpoint_url, region_name=self.s3_region, config=config)
 
 
 class EngineResource(dg.ConfigurableResource):

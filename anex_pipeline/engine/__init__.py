@@ -13,6 +13,7 @@ from anex_pipeline.engine.vllm_local import EngineSettings
 
 __all__ = [
     "Engine",
+    "EngineLoadFailed",
     "EngineRequest",
     "EngineSettings",
     "HttpSettings",
@@ -25,6 +26,14 @@ progress = logging.getLogger("anex_pipeline.progress")
 RELEASE_WAIT_S = 5.0  # how long releasing waits for a load in progress before leaving it
 _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}
+FAILED_LOAD_KEPT_S = 60.0  # how long a failed load's reason answers for the same settings
+_failed: dict[EngineSettings, tuple[float, str]] = {}  # settings -> when and why their latest load failed
+
+
+class EngineLoadFailed(Exception):
+    """The engine could not be loaded (e.g. the model is missing, its configuration is not one
+    vLLM accepts, or memory ran out): loading it again at once with the same settings would fail
+    the same way, so for :data:`FAILED_LOAD_KEPT_S` the same settings get the same failure."""
 
 
 def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
@@ -40,14 +49,27 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             progress.info("sending rows to the model server at %s", settings.base_url)
             _loaded[settings] = OpenAIHttpEngine(settings)
             return _loaded[settings]
+        failed = _failed.get(settings)
+        if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_KEPT_S:  # e.g. a load ahead of time
+            raise EngineLoadFailed(failed[1])
         for other in list(_loaded):
             _shutdown(_loaded.pop(other))
-        from anex_pipeline.engine.vllm_local import VllmLocalEngine
+        from anex_pipeline.engine.vllm_local import VllmLocalEngine, one_line
 
         guard_descendants()  # vLLM's processes must not outlive this one, however it ends
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
-        engine = VllmLocalEngine(settings)
+        try:
+            engine = VllmLocalEngine(settings)
+        except Exception as exc:
+            from anex_pipeline.stopping import JobStopped
+
+            if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
+                raise
+            reason = f"the engine could not load {settings.model_name}: {one_line(exc)[:600]}"
+            _failed[settings] = (time.monotonic(), reason)
+            raise EngineLoadFailed(reason) from exc
+        _failed.pop(settings, None)
         progress.info("engine ready in %.1f s", time.monotonic() - started)
         _loaded[settings] = engine
         return engine

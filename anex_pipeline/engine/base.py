@@ -14,37 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from anex_pipeline.formats import InputRow
+from anex_pipeline.request_fields import NON_SAMPLING_FIELDS
 from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
 from anex_pipeline.structured import mark_completion
-
-# Body keys that are not sampling parameters: they shape the prompt or the envelope.
-NON_SAMPLING_KEYS = frozenset(
-    {
-        "model",
-        "messages",
-        "prompt",
-        "input",
-        "response_format",
-        "chat_template_kwargs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "max_tokens",
-        "max_completion_tokens",
-        "stream",
-        "stream_options",
-        "n",
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "reasoning_effort",
-        "encoding_format",
-        "dimensions",
-        "logprobs",
-        "top_logprobs",
-    }
-)
 
 
 @dataclass
@@ -101,7 +73,7 @@ def resolve_request(
     """
     body = row.body
     sampling = options.sampling_defaults()
-    sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_KEYS})
+    sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_FIELDS})
     row_cap = body.get("max_completion_tokens", body.get("max_tokens"))
     response_format = body.get("response_format", options.response_format)
     if response_format is not None and response_format.get("type") == "text":
@@ -120,7 +92,7 @@ def resolve_request(
         max_tokens=row_cap if row_cap is not None else max_tokens,
         response_format=response_format if endpoint != "embeddings" else None,
         chat_template_kwargs=kwargs,
-        reasoning_budget=reasoning_budget or None,
+        reasoning_budget=body.get("thinking_token_budget", reasoning_budget) or None,  # the row's own wins
         parse_thinking=options.parse_thinking is not False,
         parse_tool_calls=options.parse_tool_calls is not False,
     )

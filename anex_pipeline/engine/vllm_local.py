@@ -30,7 +30,6 @@ from typing import Any
 
 from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.base import (
-    NON_SAMPLING_KEYS,
     EngineRequest,
     StopCheck,
     collect,
@@ -48,29 +47,11 @@ from anex_pipeline.parsing import (
     count_thinking_tokens,
     thinking_tags,
 )
+from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import RowOutcome
 
 log = logging.getLogger(__name__)
 
-SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "logit_bias",
-    }
-)
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
 SHUTDOWN_GRACE_S = 1.0
@@ -229,7 +210,7 @@ class VllmLocalEngine:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import StructuredOutputsParams
 
-        unknown = sorted(set(req.sampling) - SAMPLING_KEYS - NON_SAMPLING_KEYS)
+        unknown = sorted(set(req.sampling) - SAMPLING_FIELDS - NON_SAMPLING_FIELDS)
         if unknown:
             raise RequestProblem(f"unknown request parameter '{unknown[0]}'", unknown[0])
         room = self.max_model_len - prompt_len
@@ -353,7 +334,7 @@ class VllmLocalEngine:
             raise EngineDeadError(suppress_context=True) from exc
         log.info("row %s: vLLM refused it", req.key, exc_info=True)
         known = isinstance(exc, (VLLMValidationError, ValueError, TypeError))
-        cause = _one_line(exc) if known else f"{type(exc).__name__}: {_one_line(exc)}"
+        cause = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
     def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
@@ -373,7 +354,7 @@ class VllmLocalEngine:
                 raise
             engine.abort_request([request_id])
             if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
-                raise RequestProblem(f"response_format cannot be used: {_one_line(exc)}", "response_format") from None
+                raise RequestProblem(f"response_format cannot be used: {one_line(exc)}", "response_format") from None
             raise
         flights[request_id] = flight
 
@@ -553,7 +534,7 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
     return tags
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """An error's text on one line (vLLM's grammar errors point at the fault over several)."""
     return " ".join(str(exc).split())
 

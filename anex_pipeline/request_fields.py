@@ -1,0 +1,112 @@
+"""The request body fields each endpoint accepts: one declaration that the submit check, the
+request resolution (which fields go to the sampler) and the job's sampling defaults all read.
+
+The fields mirror what vLLM's OpenAI-compatible chat, completions and embeddings requests take
+and what the engines here pass on; a field outside this table is refused at submit, with the
+nearest known name. Kept as plain data: importing vLLM's own request models takes seconds, and
+the check runs for every row, so it is a dictionary look-up and a type test per field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
+GENERATION = frozenset({CHAT, COMPLETIONS})
+ALL = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+
+NUMBER = (int, float)  # a JSON number (true and false are not numbers here)
+OWN_CHECK = ()  # a field that validate.check_body checks by itself, more closely
+
+
+@dataclass(frozen=True)
+class BodyField:
+    """A request body field: the JSON kinds its value may have (none listed: checked on its own),
+    the endpoints that take it, whether it goes to the sampler as it is, and for a number the
+    range it must lie in."""
+
+    kinds: tuple[type, ...]
+    endpoints: frozenset[str] = GENERATION
+    sampling: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # the range excludes ``low`` itself
+
+    def out_of_range(self, value: float) -> str | None:
+        """What is wrong with a finite number for this field, or None."""
+        below = self.low is not None and (value < self.low or (self.low_open and value == self.low))
+        above = self.high is not None and value > self.high
+        if not (below or above):
+            return None
+        low = "" if self.low is None else f"{'above' if self.low_open else 'at least'} {self.low:g}"
+        high = "" if self.high is None else f"at most {self.high:g}"
+        return f"is {value:g}; it must be {' and '.join(p for p in (low, high) if p)}"
+
+
+BODY_FIELDS: dict[str, BodyField] = {
+    # what the row asks
+    "model": BodyField(OWN_CHECK, ALL),
+    "messages": BodyField(OWN_CHECK, frozenset({CHAT})),
+    "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS})),
+    "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS})),
+    # sampling, handed to the engine's sampler
+    "temperature": BodyField(NUMBER, sampling=True, low=0, high=2),
+    "top_p": BodyField(NUMBER, sampling=True, low=0, high=1, low_open=True),
+    "top_k": BodyField((int,), sampling=True),
+    "min_p": BodyField(NUMBER, sampling=True, low=0, high=1),
+    "seed": BodyField((int,), sampling=True),
+    "stop": BodyField((str, list), sampling=True),
+    "stop_token_ids": BodyField((list,), sampling=True),
+    "presence_penalty": BodyField(NUMBER, sampling=True, low=-2, high=2),
+    "frequency_penalty": BodyField(NUMBER, sampling=True, low=-2, high=2),
+    "repetition_penalty": BodyField(NUMBER, sampling=True, low=0, low_open=True),
+    "min_tokens": BodyField((int,), sampling=True),
+    "ignore_eos": BodyField((bool,), sampling=True),
+    "include_stop_str_in_output": BodyField((bool,), sampling=True),
+    "skip_special_tokens": BodyField((bool,), sampling=True),
+    "logit_bias": BodyField((dict,), sampling=True),
+    # lengths, output shape and the envelope
+    "max_tokens": BodyField((int,)),
+    "max_completion_tokens": BodyField((int,)),
+    "thinking_token_budget": BodyField((int,)),
+    "response_format": BodyField(OWN_CHECK),
+    "n": BodyField(OWN_CHECK),
+    "stream": BodyField((bool,)),
+    "stream_options": BodyField((dict,)),
+    "logprobs": BodyField((bool, int)),
+    "top_logprobs": BodyField((int,)),
+    "user": BodyField((str,), ALL),
+    "metadata": BodyField((dict,)),
+    "store": BodyField((bool,)),
+    "service_tier": BodyField((str,)),
+    # chat only: tools, the template and reasoning
+    "tools": BodyField((list,), frozenset({CHAT})),
+    "tool_choice": BodyField((str, dict), frozenset({CHAT})),
+    "parallel_tool_calls": BodyField((bool,), frozenset({CHAT})),
+    "chat_template_kwargs": BodyField(OWN_CHECK, frozenset({CHAT})),
+    "reasoning_effort": BodyField((str,), frozenset({CHAT})),
+    # embeddings only
+    "encoding_format": BodyField((str,), frozenset({EMBEDDINGS})),
+    "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
+}
+
+SAMPLING_FIELDS = frozenset(name for name, f in BODY_FIELDS.items() if f.sampling)
+NON_SAMPLING_FIELDS = frozenset(BODY_FIELDS) - SAMPLING_FIELDS
+_BY_ENDPOINT = {e: {n: f for n, f in BODY_FIELDS.items() if e in f.endpoints} for e in ALL}
+_NAMES = {e: sorted(fields) for e, fields in _BY_ENDPOINT.items()}
+
+
+def fields_of(endpoint: str) -> dict[str, BodyField]:
+    """The body fields a request to the endpoint may carry."""
+    return _BY_ENDPOINT[endpoint]
+
+
+def unknown_field(name: str, endpoint: str) -> str:
+    """The message for a body field the endpoint does not take, with the nearest known name."""
+    close = difflib.get_close_matches(name, _NAMES[endpoint], n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "remove it"
+    elsewhere = [e for e in sorted(ALL) if name in _BY_ENDPOINT[e]]
+    if elsewhere:
+        return f"is not a field of {endpoint} requests (only of {' and '.join(elsewhere)} ones); {hint}"
+    return f"unknown field; {hint}"
