@@ -119,7 +119,7 @@ def output_problem(dest: str, s3_client: Any = None) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         cause = exc.strerror or exc
-        return f"cannot write the result to {target}: {cause}; make its folder writable or choose another output"
+        return f"cannot write {target}: {cause}; make its folder writable or choose another location"
     return None
 
 

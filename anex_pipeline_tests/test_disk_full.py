@@ -194,7 +194,7 @@ def test_work_folder_filling_up_mid_shard_keeps_a_parquet_checkpoint_whole(tmp_p
     assert len(after) == ROWS and set(kept) <= set(after)
 
 
-def test_an_unwritable_output_is_one_line_of_error(tmp_path: Path, small_disk: Mount) -> None:
+def test_an_unwritable_output_is_refused_before_anything_runs(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     work = tmp_path / "work"
     folder = tmp_path / "a-folder"
@@ -204,9 +204,26 @@ def test_an_unwritable_output_is_one_line_of_error(tmp_path: Path, small_disk: M
 
     for out in (folder, read_only / "result.jsonl"):
         code, err = finish(cli(tmp_path, work, "run", str(src), "-o", str(out)))
-        line = assert_one_error_line(code, err, out, "cannot write")
-        assert "run the same command again" in line and "anex_pipeline." not in line, line
+        assert code == 2 and str(out) in err and "Traceback" not in err, err
+        assert err.startswith("job rejected: ") and "\n  field 'output': " in err, err
     assert os.listdir(folder) == [] and os.listdir(read_only) == []
+    assert checkpoint_lines(work) == []  # nothing generated
+
+
+def test_an_output_that_becomes_unwritable_is_one_line_of_error(tmp_path: Path, small_disk: Mount) -> None:
+    src = job_input(tmp_path)
+    work = tmp_path / "work"
+    disk = small_disk(tmp_path / "out-disk", "64k")
+    out = disk / "result.jsonl"
+    proc = cli(tmp_path, work, "run", str(src), "-o", str(out), "--set", "checkpoint_rows=10", delay=0.01)
+    deadline = time.monotonic() + 120
+    while len(checkpoint_lines(work)) < 10 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # after the submit-time probe
+    code, err = finish(proc)
+    line = assert_one_error_line(code, err, out, "cannot write")
+    assert "run the same command again" in line and "anex_pipeline." not in line, line
+    assert os.listdir(disk) == []
 
 
 def test_a_full_disk_under_the_dagster_home_says_where_and_resumes(tmp_path: Path, small_disk: Mount) -> None:
