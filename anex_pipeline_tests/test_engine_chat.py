@@ -27,7 +27,8 @@ pytestmark = pytest.mark.engine
 def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: JobRunner) -> None:
     rows = [chat_row(f"row-{i}", f"What is {i} plus {i}?", max_tokens=8, temperature=0) for i in range(200)]
     rows[123] = chat_row("row-123", "tell me a story " * 700, max_tokens=8)  # about 2,800 tokens
-    rows[7] = chat_row("row-7", "hi", max_tokens=8, temperature=-1.0)  # an invalid parameter
+    # values that pass the submit checks one by one, but not together: vLLM refuses the row
+    rows[7] = chat_row("row-7", "hi", max_tokens=8, min_tokens=20)
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
 
@@ -49,7 +50,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     bad_param = lines[7]
     assert bad_param["response"]["status_code"] == 400
     assert bad_param["error"]["type"] == "invalid_request_error"
-    assert "temperature" in bad_param["error"]["message"]
+    assert "min_tokens" in bad_param["error"]["message"]
     report = json.loads((tmp_path / "out.report.json").read_text())
     assert report["status"] == "completed"
     assert report["request_counts"] == {"total": 200, "completed": 198, "failed": 2, "format_error_rows": 0}
