@@ -57,40 +57,25 @@ def copy_for(outcome: RowOutcome, req: EngineRequest) -> RowOutcome:
 
 class AnswerBook:
     """The job's answers to deterministic requests, by fingerprint (successful answers only, so a
-    row that failed is generated again on a rerun). The book only saves work: when its store
-    cannot be opened, read or written (a full disk, say), rows are generated instead."""
+    row that failed is generated again on a rerun)."""
 
     def __init__(self, job: JobDir):
-        self._where = job.root / "answers"
-        try:
-            self._cache: diskcache.Cache | None = diskcache.Cache(str(self._where))
-        except (sqlite3.Error, OSError, diskcache.Timeout) as exc:
-            log.warning("answers cannot be kept for reuse in %s: %s", self._where, exc)
-            self._cache = None
+        self._cache = diskcache.Cache(str(job.root / "answers"))
 
     def get(self, key: str) -> RowOutcome | None:
-        if self._cache is None:
-            return None
-        try:
-            record = self._cache.get(key)
-        except (sqlite3.Error, OSError, diskcache.Timeout) as exc:
-            log.warning("could not read a kept answer in %s: %s", self._where, exc)
-            return None
+        record = self._cache.get(key)
         return RowOutcome.from_record(record) if record is not None else None
 
     def add(self, answers: Iterable[tuple[str, RowOutcome]]) -> None:
-        """Keeps the successful answers; when they cannot be written, their twins in later shards
-        are generated."""
-        if self._cache is None:
-            return
+        """Keeps the successful answers. The book only saves work: when it cannot be written (a
+        full disk, say) the answers are left out and their twins in later shards are generated."""
         try:
             with self._cache.transact():
                 for key, outcome in answers:
                     if outcome.ok:
                         self._cache.set(key, outcome.to_record())
-        except (sqlite3.Error, OSError, diskcache.Timeout) as exc:
-            log.warning("could not keep answers for reuse in %s: %s", self._where, exc)
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("could not keep answers for reuse in %s: %s", self._cache.directory, exc)
 
     def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()
+        self._cache.close()

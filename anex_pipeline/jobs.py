@@ -275,6 +275,8 @@ def latest_records(path: Path, start: int, stop: int, decode: Callable[[bytes], 
     if not path.exists():
         return
     runs = _ascending_runs(path, start, stop)
+    if not runs:  # an empty checkpoint (its first write failed and was cut back)
+        return
     if len(runs) == 1:  # the common case: no index twice, nothing to merge
         yield from _decoded(_run_lines(path, *runs[0]), decode)
         return

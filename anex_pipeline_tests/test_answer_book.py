@@ -6,17 +6,14 @@ generated for the row itself.
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
 from pathlib import Path
 
 import diskcache
 
-from anex_pipeline.answer_book import AnswerBook, fingerprint
+from anex_pipeline.answer_book import fingerprint
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.jobs import JobDir
 from anex_pipeline.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.spec import JobReport, RowOutcome
+from anex_pipeline.spec import JobReport
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import shared_fake_engine
 
@@ -116,23 +113,3 @@ def test_reuse_can_be_switched_off(fake_runner, tmp_path: Path) -> None:
     _, generated, _ = _run(fake_runner, tmp_path, rows, {"reuse_answers": False})
 
     assert sorted(generated) == ["n0", "n1", "n2"]
-
-
-def test_a_book_on_a_full_disk_only_saves_no_work(tmp_path: Path) -> None:
-    """On a full work folder (a real tmpfs) the book cannot be opened: it answers nothing and
-    keeps nothing, and the shard goes on (the checkpoint write then tells of the full disk)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
-        (disk / "job").mkdir()
-        with (disk / "filler").open("wb", buffering=0) as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 4096)
-        book = AnswerBook(JobDir(disk, "job"))
-        outcome = RowOutcome(0, "r0", 200, body={"choices": []}, usage={})
-        book.add([("key", outcome)])
-        assert book.get("key") is None
-        book.close()
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a failed open may leave a handle until GC

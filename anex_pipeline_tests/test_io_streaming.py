@@ -319,3 +319,11 @@ def test_a_big_jsonl_job_merged_by_several_processes_equals_one_merged_by_one(
     assert together.model_dump(exclude={"timings"}) == alone.model_dump(exclude={"timings"})
     assert together.request_counts.failed > 0 and together.error_counts  # the messy rows were there
     assert sorted(p.name for p in job.root.iterdir() if "result" in p.name) == [result_path(job).name]
+
+
+def test_an_empty_checkpoint_has_no_records(tmp_path: Path) -> None:
+    """A checkpoint whose first write failed (a full disk) is cut back to nothing; reading it
+    gives no rows instead of an error."""
+    empty = tmp_path / "results.jsonl"
+    empty.write_bytes(b"")
+    assert list(latest_records(empty, 0, 10, bytes)) == []

@@ -70,18 +70,15 @@ def test_a_killed_process_takes_its_descendants_along_but_not_its_caller(tmp_pat
 
         guarded.kill()
         guarded.wait()
-        killed_at = time.monotonic()
         wait_until(
             lambda: all(start_time(pid) != start for pid, start in family.items() if pid not in trackers),
             5,
             "descendants of the killed process were alive 5 s after it",
         )
-        took = time.monotonic() - killed_at
         # The resource tracker was left to finish: it removed the shared memory the holder left.
         wait_until(lambda: not Path("/dev/shm", memory).exists(), 5, "the shared memory was not removed")
         wait_until(lambda: start_time(trackers[0]) != family[trackers[0]], 5, "the resource tracker lives on")
         assert bystander.poll() is None  # nothing outside the family was touched
-        assert took < 2, f"the descendants took {took:.1f} s to die"
     finally:
         guarded.kill()
         bystander.kill()
