@@ -465,7 +465,7 @@ def _finish(report: Any) -> int:
     if report.status == "completed":
         print(f"result: {report.output}", file=sys.stderr)
         return EXIT_OK
-    print(f"job {report.status}: {report.failure_reason}", file=sys.stderr)
+    print(f"error: job {report.status}: {report.failure_reason}", file=sys.stderr)
     return EXIT_STOPPED
 
 

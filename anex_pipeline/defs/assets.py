@@ -5,7 +5,9 @@ function, and describes what happened as metadata. Rows never travel through an 
 # No "from __future__ import annotations" here: Dagster reads the config and resource
 # annotations at run time.
 
+import errno
 import logging
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,6 +72,21 @@ def _stoppable(job: JobDir) -> Iterator[None]:
     except EngineLoadFailed as exc:
         request_stop(job, str(exc))
         raise dg.Failure(description=str(exc), allow_retries=False) from None
+    except (OSError, sqlite3.OperationalError) as exc:  # a full work folder: a retry would fail the same way
+        if not _disk_full(exc):
+            raise
+        where = getattr(exc, "filename", None) or job.root
+        raise dg.Failure(
+            description=f"cannot write {where}: no space left on its disk; the rows finished so far are kept: "
+            "make room and run the same command again to resume",
+            allow_retries=False,
+        ) from None
+
+
+def _disk_full(exc: Exception) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "disk is full" in str(exc) or "disk I/O error" in str(exc)
 
 
 def _shard(context: dg.AssetExecutionContext) -> int:
