@@ -1,4 +1,4 @@
-"""Merging a job's shard checkpoints into one result file, and the job report (SPEC sections 3, 4)."""
+"""Merging a job's shard checkpoints into one result file, and the job report."""
 
 from __future__ import annotations
 

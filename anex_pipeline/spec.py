@@ -49,7 +49,7 @@ class Prices(_Strict):
 
 
 class JobOptions(_Strict):
-    """Options that apply to a whole job (SPEC section 2). Unknown keys are rejected."""
+    """Options that apply to a whole job. Unknown keys are rejected."""
 
     model: str | None = None
     endpoint: Endpoint | None = None
@@ -218,7 +218,7 @@ class Throughput(BaseModel):
 
 
 class JobReport(BaseModel):
-    """The job report of SPEC section 4."""
+    """The job report: what happened to the rows, why the job stopped, what it used and cost."""
 
     job_id: str
     status: JobStatus

@@ -1,4 +1,4 @@
-"""A corpus of malformed jobs: each one is rejected at submit time, the way SPEC section 2 demands.
+"""A corpus of malformed jobs: each one is rejected at submit time, with its line and field.
 
 Every case goes through the command line twice, as ``validate`` and as ``run``. Both must exit
 with code 2, print a message to stderr that names the offending line (and the field, where one

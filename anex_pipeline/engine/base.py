@@ -143,7 +143,7 @@ def stream_checked(
     if stream is not None:
         groups = stream(recorded(), group_rows, stop)
     else:
-        groups = _in_groups(engine, recorded(), group_rows, stop)
+        groups = in_groups(engine.run, recorded(), group_rows, stop)
     try:
         for group in groups:
             checked = []
@@ -163,16 +163,20 @@ def collect(
     return [outcomes[r.index] for r in requests]
 
 
-def _in_groups(
-    engine: Engine, requests: Iterator[EngineRequest], group_rows: int, stop: StopCheck | None
+def in_groups(
+    run: Callable[[list[EngineRequest]], list[RowOutcome]],
+    requests: Iterator[EngineRequest],
+    group_rows: int,
+    stop: StopCheck | None,
 ) -> Iterator[list[RowOutcome]]:
+    """``run`` over the requests ``group_rows`` at a time, checking for a stop before each group."""
     while True:
         if stop is not None:
             stop()
         group = list(itertools.islice(requests, group_rows))
         if not group:
             return
-        yield engine.run(group)
+        yield run(group)
 
 
 def rejected(request: EngineRequest, message: str, param: str | None = None, code: str | None = None) -> RowOutcome:

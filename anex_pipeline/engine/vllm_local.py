@@ -34,6 +34,7 @@ from anex_pipeline.engine.base import (
     StopCheck,
     collect,
     engine_failure,
+    in_groups,
     rejected,
 )
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
@@ -277,13 +278,8 @@ class VllmLocalEngine:
         flight are aborted."""
         source = iter(requests)
         if self.settings.runner == "pooling":
-            while True:
-                if stop is not None:
-                    stop()
-                group = list(itertools.islice(source, group_rows))
-                if not group:
-                    return
-                yield self._embed(group)
+            yield from in_groups(self._embed, source, group_rows, stop)
+            return
         engine = self.llm.llm_engine
         room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
         flights: dict[str, _Flight] = {}
