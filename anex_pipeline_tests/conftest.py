@@ -76,5 +76,14 @@ def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]
         runner.close()
 
 
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random vision-language model (see tiny_models.py), built once per test session.
+    Jobs that name it (the ``model`` option) share one loaded engine, like the embedded model's."""
+    from anex_pipeline_tests.tiny_models import build_tiny_vision_model
+
+    return build_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-idefics3")
+
+
 def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:
     return runner.run(runner.submit(str(src), str(out), options or {}))

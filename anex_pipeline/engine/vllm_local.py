@@ -168,6 +168,26 @@ class VllmLocalEngine:
 
     # -- prompts -------------------------------------------------------------------------------
 
+    def _prompt(self, req: EngineRequest) -> tuple[Any, list[int]]:
+        """What the engine is given for a row, and the prompt's token ids as the model sees them.
+
+        A chat row with media on a multimodal model goes through vLLM's own chat renderer: it
+        puts the model's placeholder for each image into the conversation, decodes the ``data:``
+        URLs the media stage left and runs the model's processor, whose expanded token ids (one
+        per image token) are what the row's usage and context room count. Every other row is
+        rendered and tokenised here.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if self.multimodal and req.endpoint == "chat" and _has_media(req.body["messages"]):
+            from vllm.renderers import ChatParams
+
+            kwargs = {**req.chat_template_kwargs, "add_generation_prompt": True, "tools": req.body.get("tools")}
+            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], ChatParams(chat_template_kwargs=kwargs))
+            return prompts[0], list(prompts[0]["prompt_token_ids"])
+        ids = self._prompt_ids(req)
+        return TokensPrompt(prompt_token_ids=ids), ids
+
     def _prompt_ids(self, req: EngineRequest) -> list[int]:
         if req.endpoint == "chat":
             messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
@@ -309,9 +329,9 @@ class VllmLocalEngine:
     def _start(self, req: EngineRequest, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
         """Hands one row to the engine, or records why it cannot run."""
         try:
-            ids = self._prompt_ids(req)
+            prompt, ids = self._prompt(req)
             params = self._sampling_params(req, len(ids))
-            self._send(_Flight(req, ids, params), ids, params, flights)
+            self._send(_Flight(req, ids, params), prompt, params, flights)
         except Exception as exc:
             done.append(self._refused(req, exc))
 
@@ -333,18 +353,17 @@ class VllmLocalEngine:
         cause = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
-    def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
+    def _send(self, flight: _Flight, prompt: Any, params: Any, flights: dict[str, _Flight]) -> None:
         """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
         engine (vLLM registers a request before it hands it to its engine process) and the error
         is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
         request_id = f"anex-{next(self._request_ids)}"
         engine = self.llm.llm_engine
         try:
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+            engine.add_request(request_id, prompt, params)
         except Exception as exc:
             if engine_gone(self.llm):
                 raise
@@ -404,7 +423,10 @@ class VllmLocalEngine:
         follow = params.clone()
         follow.max_tokens, follow.thinking_token_budget = left, None
         follow.min_tokens = max(0, follow.min_tokens - len(head))
-        self._send(flight, flight.prompt_ids + head, follow, flights)
+        # Rendered again rather than reused: a media row's processed images may have been handed
+        # over by reference to vLLM's media cache, which holds them only for the request it saw.
+        prompt, _ = self._prompt(flight.req)
+        self._send(flight, {**prompt, "prompt_token_ids": flight.prompt_ids + head}, follow, flights)
         return True
 
     def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
@@ -533,6 +555,15 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
 def one_line(exc: BaseException) -> str:
     """An error's text on one line (vLLM's grammar errors point at the fault over several)."""
     return " ".join(str(exc).split())
+
+
+def _has_media(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def _embedding_text(value: Any) -> str:
