@@ -61,9 +61,9 @@ def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
     return JobRunner(instance, storage, FakeEngineResource())
 
 
-def real_engine_resource() -> EngineResource:
+def real_engine_resource(**more: Any) -> EngineResource:
     """The real vLLM engine on this machine, sized for the CPU build and small test jobs."""
-    return EngineResource(max_model_len=2048)
+    return EngineResource(max_model_len=2048, **more)
 
 
 @pytest.fixture(scope="session")

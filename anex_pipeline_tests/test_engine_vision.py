@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from openai.types.chat import ChatCompletion
 
+from anex_pipeline.definitions import build_definitions
+from anex_pipeline.defs.partitions import JOBS, job_shard_key
+from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline.spec import MediaOptions
+from anex_pipeline_tests.conftest import read_jsonl, real_engine_resource, run_job, write_jsonl
+from anex_pipeline_tests.test_batch_api import client, content, serving, wait
 from anex_pipeline_tests.test_media import MediaServer, image, image_for
 from anex_pipeline_tests.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 
@@ -133,6 +141,8 @@ def test_images_by_url_and_inline_reach_the_model(
     first = media_metadata(real_runner)
     assert first["by_host"] == {host: {"downloaded": 2, "from_cache": 0, "failed": 1}}
 
+    # Other ids make another job (the same input would resume the finished one).
+    src = write_jsonl(tmp_path / "again-in.jsonl", [{**row, "custom_id": f"again-{row['custom_id']}"} for row in rows])
     again = tmp_path / "again.jsonl"
     report = run_job(real_runner, src, again, vision_options(vision_model, server))
 
@@ -142,6 +152,93 @@ def test_images_by_url_and_inline_reach_the_model(
     second = media_metadata(real_runner)
     assert (second["fetched"], second["from_cache"]) == (0, 2)
     assert second["by_host"] == {host: {"downloaded": 0, "from_cache": 2, "failed": 1}}
-    assert {c: text_of(line) for c, line in answers(again).items() if c != "gone"} == {
-        c: text_of(line) for c, line in lines.items() if c != "gone"
+    assert {c: text_of(line) for c, line in answers(again).items() if c != "again-gone"} == {
+        f"again-{c}": text_of(line) for c, line in lines.items() if c != "gone"
     }
+
+
+def test_parquet_image_column_of_urls_or_bytes(
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+) -> None:
+    a, b = server.url("/img/a.png"), server.url("/img/b.png")
+    by_url = pq_input(tmp_path / "urls.parquet", [a, b, None, server.url("/missing.png")])
+    by_bytes = pq_input(tmp_path / "bytes.parquet", [image_for("/img/a.png"), image_for("/img/b.png")])
+    options = vision_options(vision_model, server, image_column="picture")
+
+    url_report = run_job(real_runner, by_url, tmp_path / "urls-out.parquet", options)
+    bytes_report = run_job(real_runner, by_bytes, tmp_path / "bytes-out.parquet", options)
+
+    assert (url_report.request_counts.completed, url_report.request_counts.failed) == (3, 1)
+    assert (bytes_report.request_counts.completed, bytes_report.request_counts.failed) == (2, 0)
+    urls = pq.read_table(tmp_path / "urls-out.parquet").to_pydict()
+    from_bytes = pq.read_table(tmp_path / "bytes-out.parquet").to_pydict()
+    assert urls["picture"][:2] == [a, b] and from_bytes["picture"] == [image_for("/img/a.png"), image_for("/img/b.png")]
+    assert urls["error_type"][3] == "media_fetch_error" and urls["output"][3] is None
+    assert all(urls["output"][:3]) and all(from_bytes["output"])
+    assert urls["output"][:2] == from_bytes["output"]  # the same pixels, by URL or as bytes
+    assert len({*urls["output"][:3]}) == 3  # image a, image b and no image: three answers
+    assert server.hits["/img/a.png"] == server.hits["/img/b.png"] == 1
+
+
+def pq_input(path: Path, pictures: list[Any]) -> Path:
+    pq.write_table(pa.table({"prompt": [QUESTION] * len(pictures), "picture": pictures}), path)
+    return path
+
+
+def test_a_vision_job_from_dagster_shows_media_per_host(
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+) -> None:
+    """The job's assets materialized straight from Dagster, as the UI's launchpad does."""
+    rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("gone", image(server.url("/missing.png")))]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "ui.jsonl"
+    d = build_definitions(StorageResource(work_root=str(tmp_path / "work")), real_engine_resource(keep_loaded=True))
+    with dg.DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions(JOBS, ["vision"])
+        config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, server)}
+        submit = {"ops": {"validated_input": {"config": config}}}
+        for job, key, run_config in (
+            ("submit_job", "vision", submit),
+            ("estimate_job", "vision", None),
+            ("shard_job", job_shard_key("vision", 0), None),
+            ("finish_job", "vision", None),
+        ):
+            result = d.resolve_job_def(job).execute_in_process(
+                instance=instance, partition_key=key, run_config=run_config
+            )
+            assert result.success
+            if job == "shard_job":
+                media = result.asset_materializations_for_node("fetched_media")[0].metadata
+    host = f"127.0.0.1:{server.port}"
+    assert media["by_host"].value == {host: {"downloaded": 1, "from_cache": 0, "failed": 1}}
+    assert media["failed_by_code"].value == {"404": 1}
+    lines = answers(out)
+    assert lines["a"]["error"] is None and text_of(lines["a"])
+    assert lines["gone"]["error"]["type"] == "media_fetch_error"
+
+
+def test_a_vision_batch_through_the_batch_api(
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+) -> None:
+    rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("inline", image(data_url(image_for("/b"))))]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    policy = MediaOptions(allowed_hosts=[f"127.0.0.1:{server.port}"])
+    with serving(real_runner, media=policy) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            uploaded = sdk.files.create(file=f, purpose="batch")
+        created = sdk.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"anex_options": json.dumps({"model": str(vision_model), "max_tokens": 8, "temperature": 0})},
+        )
+        batch = wait(sdk, created.id, timeout=300)
+        output = content(sdk, batch.output_file_id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert batch.model == str(vision_model)
+    assert [r["custom_id"] for r in output] == ["a", "inline"]
+    for row in output:
+        body = ChatCompletion.model_validate(row["response"]["body"])
+        assert body.usage is not None and body.usage.prompt_tokens > VISION_IMAGE_TOKENS
+    assert server.hits["/img/a.png"] == 1
