@@ -26,7 +26,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import read_jsonl, real_engine_resource, run_job, write_jsonl
 from anex_pipeline_tests.test_batch_api import client, content, serving, wait
-from anex_pipeline_tests.test_media import MediaServer, image, image_for
+from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
 from anex_pipeline_tests.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 
 pytestmark = pytest.mark.engine
@@ -115,6 +115,9 @@ def test_images_by_url_and_inline_reach_the_model(
         vision_row("a-and-b", image(a), image(b)),
         vision_row("gone", image(server.url("/missing.png"))),
         vision_row("text"),
+        vision_row(
+            "sound", {"type": "input_audio", "input_audio": {"data": base64.b64encode(WAV).decode(), "format": "wav"}}
+        ),
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
@@ -122,8 +125,11 @@ def test_images_by_url_and_inline_reach_the_model(
 
     report = run_job(real_runner, src, out, vision_options(vision_model, server))
 
-    assert (report.request_counts.completed, report.request_counts.failed) == (6, 1)
+    assert (report.request_counts.completed, report.request_counts.failed) == (6, 2)
     lines = answers(out)
+    sound = lines["sound"]
+    assert sound["response"]["status_code"] == 400 and sound["error"]["param"] == "messages[0].content[1]"
+    assert "reads images but cannot read audio" in sound["error"]["message"]
     gone = lines["gone"]
     assert gone["response"]["status_code"] == 404
     assert gone["error"]["type"] == "media_fetch_error" and gone["error"]["param"] == "messages[0].content[1]"
@@ -146,14 +152,14 @@ def test_images_by_url_and_inline_reach_the_model(
     again = tmp_path / "again.jsonl"
     report = run_job(real_runner, src, again, vision_options(vision_model, server))
 
-    assert (report.request_counts.completed, report.request_counts.failed) == (6, 1)
+    assert (report.request_counts.completed, report.request_counts.failed) == (6, 2)
     assert server.hits["/img/a.png"] == server.hits["/img/b.png"] == 1  # the cache answered
     assert server.hits["/missing.png"] == 2  # a failure is not cached
     second = media_metadata(real_runner)
     assert (second["fetched"], second["from_cache"]) == (0, 2)
     assert second["by_host"] == {host: {"downloaded": 0, "from_cache": 2, "failed": 1}}
-    assert {c: text_of(line) for c, line in answers(again).items() if c != "again-gone"} == {
-        f"again-{c}": text_of(line) for c, line in lines.items() if c != "gone"
+    assert {c: text_of(line) for c, line in answers(again).items() if line["error"] is None} == {
+        f"again-{c}": text_of(line) for c, line in lines.items() if line["error"] is None
     }
 
 

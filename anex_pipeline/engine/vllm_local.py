@@ -56,7 +56,14 @@ log = logging.getLogger(__name__)
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
 SHUTDOWN_GRACE_S = 1.0
-MEDIA_PART_TYPES = {"image_url": "images", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+# Content part type -> (vLLM's name of the modality, the word for it in messages).
+MEDIA_PART_TYPES = {
+    "image_url": ("image", "images"),
+    "input_audio": ("audio", "audio"),
+    "audio_url": ("audio", "audio"),
+    "video_url": ("video", "video"),
+}
+MEDIA_WORDS = dict(MEDIA_PART_TYPES.values())
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class VllmLocalEngine:
         self.dead = False
         self._request_ids = itertools.count()
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
+        self.modalities = _modalities(self.llm) if self.multimodal else frozenset()
         names = ParserNames(settings.reasoning_parser, settings.tool_parser)
         # vLLM's server reads GPT-OSS output as harmony channels; so do we.
         harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
@@ -179,7 +187,7 @@ class VllmLocalEngine:
         """
         from vllm.inputs import TokensPrompt
 
-        if self.multimodal and req.endpoint == "chat" and _has_media(req.body["messages"]):
+        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
             from vllm.renderers import ChatParams
 
             kwargs = {**req.chat_template_kwargs, "add_generation_prompt": True, "tools": req.body.get("tools")}
@@ -205,6 +213,27 @@ class VllmLocalEngine:
         text = req.body["prompt"] if req.endpoint == "completions" else _embedding_text(req.body["input"])
         return list(self.tokenizer.encode(text))
 
+    def _has_media(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
+        the model cannot read, as vLLM's own refusal would not name the part."""
+        found = False
+        for n, message in enumerate(messages):
+            content = message.get("content")
+            for p, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in MEDIA_PART_TYPES:
+                    continue
+                modality, word = MEDIA_PART_TYPES[kind]
+                if modality not in self.modalities:
+                    reads = " and ".join(MEDIA_WORDS[m] for m in sorted(self.modalities))
+                    raise RequestProblem(
+                        f"model '{self.model_name}' reads {reads} but cannot read {word}; "
+                        f"remove the part or run the job on a model that reads {word}",
+                        f"messages[{n}].content[{p}]",
+                    )
+                found = True
+        return found
+
     def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
         content = message.get("content")
         if not isinstance(content, list):
@@ -216,7 +245,7 @@ class VllmLocalEngine:
                 texts.append(str(part.get("text", "")))
             elif kind in MEDIA_PART_TYPES:
                 raise RequestProblem(
-                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind]}; "
+                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
                     "remove the part or run the job on a multimodal model",
                     f"messages[{n}].content[{p}]",
                 )
@@ -557,13 +586,10 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _has_media(messages: list[dict[str, Any]]) -> bool:
-    return any(
-        isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES
-        for message in messages
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-    )
+def _modalities(llm: Any) -> frozenset[str]:
+    """The kinds of media (vLLM's names: image, audio, video) a multimodal model reads."""
+    limits = llm.renderer.get_mm_processor().info.allowed_mm_limits
+    return frozenset(kind for kind, most in limits.items() if most > 0)
 
 
 def _embedding_text(value: Any) -> str:
