@@ -23,10 +23,10 @@ from anex_pipeline.definitions import build_definitions
 from anex_pipeline.defs.partitions import JOBS, job_shard_key
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import read_jsonl, real_engine_resource, run_job, write_jsonl
-from anex_pipeline_tests.test_batch_api import client, content, serving, wait
+from anex_pipeline_tests.test_batch_api import content, wait
 from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
+from anex_pipeline_tests.test_stop_real import Served
 from anex_pipeline_tests.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 
 pytestmark = pytest.mark.engine
@@ -223,25 +223,26 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     assert lines["gone"]["error"]["type"] == "media_fetch_error"
 
 
-def test_a_vision_batch_through_the_batch_api(
-    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
-) -> None:
+def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, server: MediaServer) -> None:
+    """The openai SDK against ``anex-pipeline serve`` in its own process, which loads the model."""
     rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("inline", image(data_url(image_for("/b"))))]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    policy = MediaOptions(allowed_hosts=[f"127.0.0.1:{server.port}"])
-    with serving(real_runner, media=policy) as url:
-        sdk = client(url)
+    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{server.port}")
+    try:
         with src.open("rb") as f:
-            uploaded = sdk.files.create(file=f, purpose="batch")
-        created = sdk.batches.create(
+            uploaded = served.sdk.files.create(file=f, purpose="batch")
+        options = {"model": str(vision_model), "max_tokens": 8, "temperature": 0}
+        created = served.sdk.batches.create(
             input_file_id=uploaded.id,
             endpoint="/v1/chat/completions",
             completion_window="24h",
-            metadata={"anex_options": json.dumps({"model": str(vision_model), "max_tokens": 8, "temperature": 0})},
+            metadata={"anex_options": json.dumps(options)},
         )
-        batch = wait(sdk, created.id, timeout=300)
-        output = content(sdk, batch.output_file_id)
-    assert batch.status == "completed" and batch.error_file_id is None
+        batch = wait(served.sdk, created.id, timeout=400)
+        output = content(served.sdk, batch.output_file_id)
+    finally:
+        served.terminate(timeout=30)
+    assert batch.status == "completed" and batch.error_file_id is None, served.err.rest()
     assert batch.model == str(vision_model)
     assert [r["custom_id"] for r in output] == ["a", "inline"]
     for row in output:

@@ -1,4 +1,5 @@
-"""Tiny random models built offline, for tests that need a reasoning or tool-calling model format.
+"""Tiny random models built offline, for tests that need a reasoning or tool-calling model format,
+or a model that reads images (:func:`build_tiny_vision_model`).
 
 The weights are random, so the generated text is noise; what matters is that the tokenizer knows
 every model family's special tokens (so vLLM's parsers find them in the vocabulary) and that the
@@ -112,6 +113,23 @@ def build_tokenizer(folder: Path, extra_special: tuple[str, ...] = ()) -> Any:
     return tokenizer
 
 
+def decoder_fields(tokenizer: Any) -> dict[str, Any]:
+    """The config fields of the 2-layer decoder every tiny model has, sized for ``tokenizer``."""
+    return {
+        "vocab_size": (len(tokenizer) + 63) // 64 * 64,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HIDDEN // HEAD_DIM,
+        "num_key_value_heads": 1,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 2048,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+
+
 def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
     """A random 2-layer Qwen3 with the tokenizer above, saved as a folder vLLM can load."""
     import torch
@@ -119,21 +137,7 @@ def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
-    vocab = len(tokenizer)
-    config = Qwen3Config(
-        vocab_size=(vocab + 63) // 64 * 64,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    config = Qwen3Config(**decoder_fields(tokenizer), tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
@@ -164,20 +168,7 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, extra_special=VISION_TOKENS)
-    text = LlamaConfig(
-        vocab_size=(len(tokenizer) + 63) // 64 * 64,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    text = LlamaConfig(**decoder_fields(tokenizer), tie_word_embeddings=False)
     vision = Idefics3VisionConfig(
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
