@@ -227,7 +227,7 @@ def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, server
     """The openai SDK against ``anex-pipeline serve`` in its own process, which loads the model."""
     rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("inline", image(data_url(image_for("/b"))))]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{server.port}")
+    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{server.port}", "--max-model-len", "2048")
     try:
         with src.open("rb") as f:
             uploaded = served.sdk.files.create(file=f, purpose="batch")
@@ -239,10 +239,10 @@ def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, server
             metadata={"anex_options": json.dumps(options)},
         )
         batch = wait(served.sdk, created.id, timeout=400)
+        assert batch.status == "completed" and batch.error_file_id is None, str(batch.errors)
         output = content(served.sdk, batch.output_file_id)
     finally:
         served.terminate(timeout=30)
-    assert batch.status == "completed" and batch.error_file_id is None, served.err.rest()
     assert batch.model == str(vision_model)
     assert [r["custom_id"] for r in output] == ["a", "inline"]
     for row in output:

@@ -452,8 +452,8 @@ class VllmLocalEngine:
         follow = params.clone()
         follow.max_tokens, follow.thinking_token_budget = left, None
         follow.min_tokens = max(0, follow.min_tokens - len(head))
-        # Rendered again rather than reused: a media row's processed images may have been handed
-        # over by reference to vLLM's media cache, which holds them only for the request it saw.
+        # Rendered again rather than reused: an engine input is made for one request (a media
+        # row's may name its images by hash alone, for vLLM's processor cache to fill in).
         prompt, _ = self._prompt(flight.req)
         self._send(flight, {**prompt, "prompt_token_ids": flight.prompt_ids + head}, follow, flights)
         return True
