@@ -2,7 +2,9 @@
 
 The pixels must reach the model, not just the request: each row's ``prompt_tokens`` is the count
 the model's own processor gives for its text and images, and at temperature 0 the same image
-gives the same answer (by URL, again by URL, inline) while another image gives another.
+gives the same answer (by URL, again by URL, inline) while another image gives another. The
+tests share one engine for the model (the session's ``vision_model``), except the Batch API one,
+whose ``serve`` process loads its own.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,8 @@ QUESTION = "What is in the picture?"
 
 
 @pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MediaServer]:
+    """A loopback media server, and a media cache of the test's own (serve's process inherits it)."""
     monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
     s = MediaServer()
     yield s
