@@ -25,10 +25,17 @@ import dagster as dg
 
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.defs.partitions import JOBS
-from anex_pipeline.defs.sensors import IN_FLIGHT, LAUNCHED_BY_TAG, driven_by_cli, job_of_run, runs_of_job, try_lease
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.orchestration.driver import (
+    IN_FLIGHT,
+    LAUNCHED_BY_TAG,
+    driven_by_cli,
+    job_of_run,
+    runs_of_job,
+    try_lease,
+)
+from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.spec import JobReport
+from anex_pipeline.workdir.manifest import JobDir
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*")

@@ -14,11 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline import jobs, merge
 from anex_pipeline.formats import decode_stored_outcome, jsonl, parquet
-from anex_pipeline.jobs import JobDir, append_outcomes, latest_records, prepare_job
-from anex_pipeline.merge import merge_job, result_path
 from anex_pipeline.spec import JobOptions, JobRejected, RowError, RowOutcome
+from anex_pipeline.stages import merge
+from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.workdir import manifest as jobs
+from anex_pipeline.workdir.manifest import JobDir, append_outcomes, latest_records, prepare_job
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 

@@ -29,8 +29,7 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.formats import InputRow
-from anex_pipeline.jobs import prepare_job
-from anex_pipeline.media import (
+from anex_pipeline.media.fetcher import (
     MediaFetcher,
     MediaFetchError,
     MediaRef,
@@ -43,6 +42,7 @@ from anex_pipeline.media import (
 )
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, MediaOptions
+from anex_pipeline.workdir.manifest import prepare_job
 from anex_pipeline_tests.conftest import read_jsonl, write_jsonl
 
 

@@ -18,10 +18,10 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.estimate import read_estimate, reusable_samples
 from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
-from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
 _timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too

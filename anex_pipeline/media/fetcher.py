@@ -46,11 +46,11 @@ import diskcache
 import httpcore
 import httpx
 
+from anex_pipeline.engine.models import cache_root
 from anex_pipeline.formats import InputRow
-from anex_pipeline.http_retry import retry_after_seconds
-from anex_pipeline.jobs import JobDir, append_outcomes, read_outcomes
-from anex_pipeline.models import cache_root
+from anex_pipeline.net.retry import retry_after_seconds
 from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
+from anex_pipeline.workdir.manifest import JobDir, append_outcomes, read_outcomes
 
 # Content part type -> (key of the reference inside the part's object, the kind of media it holds).
 MEDIA_PARTS = {

@@ -19,8 +19,8 @@ import diskcache
 import msgspec
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.jobs import JobDir
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.workdir.manifest import JobDir
 
 
 @dataclass

@@ -16,20 +16,20 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline import media
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
-from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
-from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine import EngineLoadFailed
-from anex_pipeline.estimate import estimate_lengths
-from anex_pipeline.generate import run_shard
-from anex_pipeline.jobs import JobDir, prepare_job
-from anex_pipeline.ledger import account_rows
-from anex_pipeline.merge import merge_job, nothing_delivered, record_timing, result_path
+from anex_pipeline.media import fetcher as media
+from anex_pipeline.orchestration.partitions import all_shards_of_job, job_partitions, job_shard_partitions
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.stages.estimate import estimate_lengths
+from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.ledger import account_rows
+from anex_pipeline.stages.merge import merge_job, nothing_delivered, record_timing, result_path
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
+from anex_pipeline.workdir.manifest import JobDir, prepare_job
 
 GROUP = "batch_job"
 PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often

@@ -32,13 +32,13 @@ from dagster_aws.s3 import S3Resource
 from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
-from anex_pipeline.defs.assets import generations, length_estimate, result_file, validated_input
-from anex_pipeline.defs.jobs import estimate_job, finish_job, shard_job, submit_job
-from anex_pipeline.defs.partitions import JOBS, job_partitions, job_shard_key, job_shard_partitions
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.jobs import JobDir, make_job_id, unfinished_shards
+from anex_pipeline.orchestration.assets import generations, length_estimate, result_file, validated_input
+from anex_pipeline.orchestration.jobs import estimate_job, finish_job, shard_job, submit_job
+from anex_pipeline.orchestration.partitions import JOBS, job_partitions, job_shard_key, job_shard_partitions
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.spec import JobReport
 from anex_pipeline.storage import read_regular_file, unsafe_key
+from anex_pipeline.workdir.manifest import JobDir, make_job_id, unfinished_shards
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
 SIDECAR_SUFFIX = ".job.json"

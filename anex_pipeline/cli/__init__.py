@@ -291,7 +291,7 @@ def _instance() -> Any:
     from dagster._core.instance.ref import InstanceRef
     from sqlalchemy.exc import DBAPIError
 
-    from anex_pipeline.models import cache_root
+    from anex_pipeline.engine.models import cache_root
 
     home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
     os.environ["DAGSTER_HOME"] = str(home)
@@ -335,7 +335,7 @@ def _progress_logging(quiet: bool) -> None:
 
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
-    from anex_pipeline.defs.resources import EngineResource, StorageResource, default_work_root
+    from anex_pipeline.orchestration.resources import EngineResource, StorageResource, default_work_root
     from anex_pipeline.runner import JobRunner
 
     _progress_logging(args.quiet)
@@ -476,15 +476,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     options = parse_options(collect_options(args))
     if not is_s3(args.input):
         return _validate(args, options, Path(args.input))
-    from anex_pipeline.defs.resources import StorageResource  # imports Dagster: only for an S3 input
+    from anex_pipeline.orchestration.resources import StorageResource  # imports Dagster: only for an S3 input
 
     with tempfile.TemporaryDirectory(prefix="anex-validate-") as downloads:
         return _validate(args, options, StorageResource().local_input(args.input, Path(downloads)))
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
-    from anex_pipeline.jobs import check_input, model_problems
     from anex_pipeline.spec import JobRejected, Problem
+    from anex_pipeline.workdir.manifest import check_input, model_problems
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
@@ -506,7 +506,7 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from anex_pipeline.jobs import default_report_path
+    from anex_pipeline.workdir.manifest import default_report_path
 
     path = args.path if args.path.endswith(".report.json") else default_report_path(args.path)
     try:
@@ -544,7 +544,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _work_root(args: argparse.Namespace) -> Path:
-    from anex_pipeline.defs.resources import default_work_root
+    from anex_pipeline.orchestration.resources import default_work_root
 
     return Path(args.work_dir or default_work_root()).expanduser()
 
@@ -564,9 +564,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from anex_pipeline.defs.partitions import JOBS
-    from anex_pipeline.jobs import JobDir
+    from anex_pipeline.orchestration.partitions import JOBS
     from anex_pipeline.retention import JobRunning, delete_job
+    from anex_pipeline.workdir.manifest import JobDir
 
     try:
         job = JobDir(_work_root(args), args.job_id)
@@ -660,7 +660,3 @@ def entry() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    entry()

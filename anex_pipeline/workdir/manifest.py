@@ -25,6 +25,7 @@ import msgspec
 import pyarrow as pa
 from pydantic import BaseModel
 
+from anex_pipeline.engine.models import model_unavailable, resolve_model
 from anex_pipeline.formats import (
     FileFormat,
     InputRow,
@@ -36,7 +37,6 @@ from anex_pipeline.formats import (
     sniff_format,
     write_error,
 )
-from anex_pipeline.models import model_unavailable, resolve_model
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
 from anex_pipeline.storage import is_s3, output_problem
 

@@ -7,17 +7,17 @@ import os
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
-from anex_pipeline.defs.assets import all_assets
-from anex_pipeline.defs.jobs import all_jobs
-from anex_pipeline.defs.resources import EngineResource, StorageResource
-from anex_pipeline.defs.retention import RetentionSettings, prune_job, prune_old_jobs
-from anex_pipeline.defs.sensors import (
+from anex_pipeline.orchestration.assets import all_assets
+from anex_pipeline.orchestration.driver import (
     LocalInboxSettings,
     RetrySettings,
     S3InboxSettings,
     all_schedules,
     all_sensors,
 )
+from anex_pipeline.orchestration.jobs import all_jobs
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.retention import RetentionSettings, prune_job, prune_old_jobs
 
 
 def build_definitions(
