@@ -25,16 +25,10 @@ import dagster as dg
 
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.orchestration.driver import (
-    IN_FLIGHT,
-    LAUNCHED_BY_TAG,
-    driven_by_cli,
-    job_of_run,
-    runs_of_job,
-    try_lease,
-)
 from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
 from anex_pipeline.spec import JobReport
+from anex_pipeline.workdir.lease import driven_by_cli, try_lease
 from anex_pipeline.workdir.manifest import JobDir
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -20,15 +20,17 @@ import dagster as dg
 
 from anex_pipeline.engine import release_engines
 from anex_pipeline.orchestration.definitions import build_definitions
-from anex_pipeline.orchestration.driver import LAUNCHED_BY_TAG, step_error_message, take_lease
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, step_error_message
 from anex_pipeline.spec import JobReport
-from anex_pipeline.stages.merge import record_timing
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
 from anex_pipeline.storage import is_s3
 from anex_pipeline.validate import parse_options
-from anex_pipeline.workdir.manifest import JobDir, JobManifest, prepare_job, unfinished_shards
+from anex_pipeline.workdir.lease import take_lease
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, unfinished_shards
+from anex_pipeline.workdir.timing import record_timing
 
 log = logging.getLogger("anex_pipeline.progress")
 

@@ -24,8 +24,8 @@ from anex_pipeline.orchestration.resources import EngineResource, StorageResourc
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.validate import parse_options
-from anex_pipeline.workdir.manifest import prepare_job
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine

@@ -321,8 +321,8 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     tmp_path: Path, instance: Any, base_url: str | None
 ) -> None:
     from anex_pipeline.orchestration.definitions import build_definitions
-    from anex_pipeline.orchestration.driver import step_error_message
     from anex_pipeline.orchestration.partitions import JOBS
+    from anex_pipeline.orchestration.runs import step_error_message
     from anex_pipeline.runner import _first_error
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.orchestration.driver import S3InboxSettings, bucket_arrivals
+from anex_pipeline.orchestration.inboxes import S3InboxSettings, bucket_arrivals
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.storage import OutputNotWritable, localize_input, publish, unsafe_key
 from anex_pipeline.workdir.manifest import JobDir, make_job_id

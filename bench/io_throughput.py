@@ -50,8 +50,8 @@ def make_inputs(folder: Path, rows: int) -> tuple[Path, Path]:
 
 def prepare(src: Path, work: Path, out: Path) -> dict[str, float]:
     """validate + shard."""
+    from anex_pipeline.stages.submit import prepare_job
     from anex_pipeline.validate import parse_options
-    from anex_pipeline.workdir.manifest import prepare_job
 
     started = time.perf_counter()
     job = prepare_job(src, str(out), parse_options({"max_tokens": 16}), work)

@@ -27,8 +27,9 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
+from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
-from anex_pipeline.workdir.manifest import JobDir, default_report_path
+from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger("anex_pipeline.batch_api")
 

@@ -18,18 +18,20 @@ from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.engine import EngineLoadFailed
-from anex_pipeline.media import fetcher as media
 from anex_pipeline.orchestration.partitions import all_shards_of_job, job_partitions, job_shard_partitions
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.ledger import account_rows
-from anex_pipeline.stages.merge import merge_job, nothing_delivered, record_timing, result_path
+from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
-from anex_pipeline.workdir.manifest import JobDir, prepare_job
+from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.timing import record_timing
 
 GROUP = "batch_job"
 PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often
@@ -155,7 +157,7 @@ def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -
     manifest = job.manifest()
     if shard >= len(manifest.shards):
         return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
-    stats = media.fetch_shard(job, shard, manifest.job_options().media)
+    stats = fetch_media.fetch_shard(job, shard, manifest.job_options().media)
     return dg.MaterializeResult(metadata=stats)
 
 

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.formats import InputRow, StoredOutcome
-from anex_pipeline.media import fetcher as media
 from anex_pipeline.spec import EstimateReport, RowOutcome
+from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.stopping import StopCheck, load_interruptibly
@@ -162,10 +162,10 @@ class _Feed:
         self.requests = self._requests()
 
     def _requests(self) -> Iterator[EngineRequest]:
-        media_failures = media.recorded_failures(self.job, self.shard)
+        media_failures = fetch_media.recorded_failures(self.job, self.shard)
         m = self.manifest
         while rows := list(itertools.islice(self.todo, self.group_rows)):
-            chunk, failed = media.attach_media(rows, self.options.media, media_failures)
+            chunk, failed = fetch_media.attach_media(rows, self.options.media, media_failures)
             self.found.extend(failed)
             for row in chunk:
                 req = resolve_request(row, m.job_id, m.endpoint, self.options, self.max_tokens, self.budget)

@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,23 +21,9 @@ from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.workdir.timing import read_timings, record_timing
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
-_timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
-
-
-def record_timing(job: JobDir, stage: str, seconds: float) -> None:
-    """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
-    path = job.root / "timings.json"
-    with _timings_lock:
-        timings = json.loads(path.read_text()) if path.exists() else {}
-        timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
-        atomic_write_text(path, json.dumps(timings, indent=2))
-
-
-def read_timings(job: JobDir) -> dict[str, float]:
-    path = job.root / "timings.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class _Tally:
