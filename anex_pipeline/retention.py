@@ -90,7 +90,7 @@ def in_flight_jobs(instance: dg.DagsterInstance) -> set[str]:
 def job_status(job: JobDir, in_flight: set[str]) -> str:
     if job.job_id in in_flight or driven_by_cli(job):
         return "running"
-    report = job.root / "report.json"
+    report = job.report_path
     return JobReport.model_validate_json(report.read_text()).status if report.exists() else "unfinished"
 
 

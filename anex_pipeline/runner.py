@@ -128,7 +128,7 @@ class JobRunner:
             if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
                 job.record_stop(str(exc))
         self._execute("finish_job", job.job_id)
-        return JobReport.model_validate_json((job.root / "report.json").read_text())
+        return JobReport.model_validate_json(job.report_path.read_text())
 
     def _hold(self, job: JobDir) -> None:
         if job.job_id not in self._leases:

@@ -107,7 +107,7 @@ class BatchWorker:
         if record.job_id is None:
             return RequestCounts(), None
         job = self.runner.storage.job(record.job_id)
-        report_file = job.root / "report.json"
+        report_file = job.report_path
         if not job.exists():  # removed by a prune: the published report (beside the result) stays
             report_file = Path(default_report_path(str(self.store.output_path(record.id))))
         if record.finished and report_file.exists():
@@ -193,7 +193,7 @@ class BatchWorker:
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""
-        report_file = job.root / "report.json"
+        report_file = job.report_path
         report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
         if record.cancelling_at is not None:
             ended, unrun = "cancelled_at", "batch_cancelled"

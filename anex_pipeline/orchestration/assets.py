@@ -30,6 +30,7 @@ from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
+from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline.workdir.timing import record_timing
 
@@ -112,7 +113,7 @@ def validated_input(
             raise dg.Failure("set 'output' in the run config: where the result file goes")
         s3 = storage.s3_client() if config.input.startswith("s3://") else None
         try:
-            local = localize_input(config.input, job.root / "input", s3)
+            local = localize_input(config.input, job.root / layout.INPUT_DIR, s3)
             options = parse_options(config.options.model_dump())
             job = prepare_job(
                 local,
@@ -255,12 +256,12 @@ def result_file(context: dg.AssetExecutionContext, storage: StorageResource) -> 
     job = _job(context, storage)
     manifest = job.manifest()
     s3 = storage.s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
-    report = JobReport.model_validate_json((job.root / "report.json").read_text())
+    report = JobReport.model_validate_json(job.report_path.read_text())
     if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
         where = "not published: no row has a result"
     else:
         where = publish(result_path(job), manifest.output, s3)
-    publish(job.root / "report.json", manifest.report, s3)
+    publish(job.report_path, manifest.report, s3)
     return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": manifest.report})
 
 

@@ -52,7 +52,7 @@ def retry_failed_rows(
     spent = []
     for p in job_progress(context.instance):
         job = storage.job(p.job_id)
-        report = job.root / "report.json"
+        report = job.report_path
         if p.busy or not p.finished or not report.exists():
             continue
         counts = JobReport.model_validate_json(report.read_text()).request_counts

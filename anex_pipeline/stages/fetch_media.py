@@ -30,10 +30,6 @@ from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
 from anex_pipeline.workdir.manifest import JobDir
 
 
-def media_failures_path(job: JobDir, shard: int) -> Path:
-    return job.shard_dir(shard) / "media.jsonl"
-
-
 def media_failure(row: InputRow, ref: MediaRef, error: MediaFetchError) -> RowOutcome:
     """A row that fails because one of its media could not be fetched."""
     return RowOutcome(
@@ -97,7 +93,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
             if not out_of_time:
                 failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
             stats = fetcher.stats
-    path = media_failures_path(job, shard)
+    path = job.media_failures_path(shard)
     path.unlink(missing_ok=True)
     append_outcomes(path, failures)
     return {
@@ -121,7 +117,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
 
 def recorded_failures(job: JobDir, shard: int) -> dict[int, RowOutcome]:
     """The rows the media stage failed for this shard, by row index."""
-    return read_outcomes(media_failures_path(job, shard))
+    return read_outcomes(job.media_failures_path(shard))
 
 
 def attach_media(

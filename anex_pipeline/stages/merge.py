@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.workdir.timing import read_timings, record_timing
 
@@ -170,7 +171,7 @@ def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterato
 
 def result_path(job: JobDir) -> Path:
     manifest = job.manifest()
-    return job.root / f"result.{manifest.format}"
+    return job.root / f"{layout.RESULT_STEM}.{manifest.format}"
 
 
 def merge_job(job: JobDir) -> JobReport:
@@ -192,7 +193,7 @@ def merge_job(job: JobDir) -> JobReport:
         raise write_error(exc, final) from exc
     record_timing(job, "merge", time.monotonic() - started)
     report = build_report(job, manifest, tally)
-    atomic_write_text(job.root / "report.json", report.model_dump_json(indent=2))
+    atomic_write_text(job.report_path, report.model_dump_json(indent=2))
     return report
 
 

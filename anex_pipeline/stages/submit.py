@@ -24,8 +24,8 @@ from anex_pipeline.formats import (
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import is_s3, output_problem
+from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
-    CHECKPOINT_FILES,
     JobDir,
     JobManifest,
     ShardRange,
@@ -191,7 +191,7 @@ def prepare_job(
         return job
     job.root.mkdir(parents=True, exist_ok=True)
     module = FORMATS[kind]
-    staging = job.root / "rows.staging"
+    staging = job.root / layout.STAGING
     problems: list[Problem] = found
     problem_count = len(found)
     total = 0
@@ -241,7 +241,7 @@ def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileForma
     targets = []
     for n, rng in enumerate(ranges):
         job.shard_dir(n).mkdir(parents=True, exist_ok=True)
-        for name in CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
+        for name in layout.CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
             (job.shard_dir(n) / name).unlink(missing_ok=True)
         targets.append((job.requests_path(n, kind), rng.size))
     FORMATS[kind].split_staging(staging, targets)

@@ -11,7 +11,6 @@ from typing import IO
 from anex_pipeline.workdir.manifest import JobDir
 
 progress_log = logging.getLogger("anex_pipeline.progress")
-LEASE_NAME = "cli.lock"
 
 
 def _lock(lease: IO[bytes], mode: int) -> bool:
@@ -30,7 +29,7 @@ def take_lease(job: JobDir) -> IO[bytes]:
     same job waits here for the first.
     """
     job.root.mkdir(parents=True, exist_ok=True)
-    lease = (job.root / LEASE_NAME).open("ab")
+    lease = job.lease_path.open("ab")
     if not _lock(lease, fcntl.LOCK_EX):
         time.sleep(0.2)  # job_driver only looks at the lock for a moment
         if not _lock(lease, fcntl.LOCK_EX):
@@ -42,7 +41,7 @@ def take_lease(job: JobDir) -> IO[bytes]:
 def try_lease(job: JobDir) -> IO[bytes] | None:
     """The job's lease if no live process holds it (kept until the returned file is closed), else None."""
     job.root.mkdir(parents=True, exist_ok=True)
-    lease = (job.root / LEASE_NAME).open("ab")
+    lease = job.lease_path.open("ab")
     if _lock(lease, fcntl.LOCK_EX):
         return lease
     lease.close()
@@ -52,7 +51,7 @@ def try_lease(job: JobDir) -> IO[bytes] | None:
 def driven_by_cli(job: JobDir) -> bool:
     """True while a live process holds the job's lease (a lease file left by a dead one is free)."""
     try:
-        lease = (job.root / LEASE_NAME).open("rb")
+        lease = job.lease_path.open("rb")
     except FileNotFoundError:
         return False
     with lease:

@@ -30,9 +30,9 @@ from anex_pipeline.formats import (
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import Endpoint, JobOptions, RowOutcome
+from anex_pipeline.workdir import layout
 
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
-CHECKPOINT_FILES = {"jsonl": "results.jsonl", "parquet": "results.arrow"}  # a shard's finished rows
 
 
 class ShardRange(BaseModel):
@@ -115,7 +115,7 @@ class JobDir:
 
     @property
     def manifest_path(self) -> Path:
-        return self.root / "job.json"
+        return self.root / layout.MANIFEST
 
     def exists(self) -> bool:
         return self.manifest_path.exists()
@@ -124,7 +124,7 @@ class JobDir:
         return JobManifest.model_validate_json(self.manifest_path.read_text())
 
     def shard_dir(self, shard: int) -> Path:
-        return self.root / "shards" / shard_key(shard)
+        return self.root / layout.SHARDS_DIR / shard_key(shard)
 
     def requests_path(self, shard: int, kind: FileFormat) -> Path:
         return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
@@ -132,19 +132,35 @@ class JobDir:
     def checkpoint_path(self, shard: int, manifest: JobManifest | None = None) -> Path:
         """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one
         (``manifest``: the job's, when the caller has read it already)."""
-        return self.shard_dir(shard) / CHECKPOINT_FILES[(manifest or self.manifest()).format]
+        return self.shard_dir(shard) / layout.CHECKPOINT_FILES[(manifest or self.manifest()).format]
 
     @property
     def estimate_path(self) -> Path:
-        return self.root / "estimate.json"
+        return self.root / layout.ESTIMATE
 
     @property
     def sample_path(self) -> Path:
-        return self.root / "estimate_sample.jsonl"
+        return self.root / layout.ESTIMATE_SAMPLE
+
+    @property
+    def report_path(self) -> Path:
+        """The report the merge writes, before it is published."""
+        return self.root / layout.REPORT
+
+    @property
+    def timings_path(self) -> Path:
+        return self.root / layout.TIMINGS
+
+    @property
+    def lease_path(self) -> Path:
+        return self.root / layout.LEASE
+
+    def media_failures_path(self, shard: int) -> Path:
+        return self.shard_dir(shard) / layout.MEDIA_FAILURES
 
     @property
     def stop_path(self) -> Path:
-        return self.root / "stop.json"
+        return self.root / layout.STOP
 
     def read_requests(self, shard: int) -> Iterator[InputRow]:
         manifest = self.manifest()
@@ -182,7 +198,7 @@ class JobDir:
 
     @property
     def deadline_path(self) -> Path:
-        return self.root / "deadline.json"
+        return self.root / layout.DEADLINE
 
     def start_clock(self, time_limit_s: float | None) -> None:
         """Starts the job's time limit (if it has one) from now: each run of the job gets it whole."""

@@ -13,7 +13,7 @@ _timings_lock = threading.Lock()  # the CLI's engine-loading thread records its 
 
 def record_timing(job: JobDir, stage: str, seconds: float) -> None:
     """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
-    path = job.root / "timings.json"
+    path = job.timings_path
     with _timings_lock:
         timings = json.loads(path.read_text()) if path.exists() else {}
         timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
@@ -21,5 +21,5 @@ def record_timing(job: JobDir, stage: str, seconds: float) -> None:
 
 
 def read_timings(job: JobDir) -> dict[str, float]:
-    path = job.root / "timings.json"
+    path = job.timings_path
     return json.loads(path.read_text()) if path.exists() else {}
