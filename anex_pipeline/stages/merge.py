@@ -17,7 +17,8 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
+from anex_pipeline.formats import StoredOutcome, jsonl, write_error
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.workdir import layout
@@ -182,11 +183,12 @@ def merge_job(job: JobDir) -> JobReport:
     partial = final.with_name(f".{final.name}.partial")
     tally = _Tally()
     try:
-        if manifest.format == "jsonl":
-            _write_jsonl(job, manifest, partial, tally)
-        else:
+        module = FORMATS[manifest.format]
+        if module.MERGES_COLUMNS:
             answers = _answer_tables(job, manifest, tally)
-            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+            module.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+        else:
+            _write_jsonl(job, manifest, partial, tally)
         partial.replace(final)
     except OSError as exc:  # e.g. a full disk: leave no half-written result behind
         partial.unlink(missing_ok=True)

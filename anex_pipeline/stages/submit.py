@@ -17,11 +17,10 @@ from anex_pipeline.engine.models import model_unavailable, resolve_model
 from anex_pipeline.formats import (
     FileFormat,
     InputRow,
-    jsonl,
     parquet,
     sniff_format,
 )
-from anex_pipeline.formats.registry import FORMATS
+from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
@@ -65,10 +64,8 @@ def detect_format(path: Path) -> FileFormat:
         raise JobRejected([Problem(f"input file {path} cannot be read: {exc.strerror}")]) from None
     if kind is None:
         raise JobRejected([Problem(f"input file {path} is empty: there are no rows")])
-    if path.suffix.lower() == ".parquet" and kind != "parquet":
-        raise JobRejected(
-            [Problem(f"{path.name} is named .parquet but is not a Parquet file (no PAR1 header); is it JSONL?")]
-        )
+    if why := misnamed(path, kind):
+        raise JobRejected([Problem(why)])
     return kind
 
 
@@ -94,10 +91,8 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
         for item in chunks:
             if isinstance(item, Problem):
                 yield item
-            elif kind == "jsonl":
-                yield from jsonl.chunk_rows(item)
             else:
-                yield from parquet.chunk_rows(item, endpoint, options)
+                yield from FORMATS[kind].chunk_rows(item, endpoint, options)
 
     return kind, endpoint, rows()
 

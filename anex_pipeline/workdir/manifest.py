@@ -24,10 +24,8 @@ from anex_pipeline.formats import (
     InputRow,
     StoredOutcome,
     arrow_checkpoint,
-    decode_stored_outcome,
     write_error,
 )
-from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import Endpoint, JobOptions, RowOutcome
 from anex_pipeline.workdir import layout
@@ -171,10 +169,7 @@ class JobDir:
         """Appends finished rows to the shard's checkpoint, durably."""
         manifest = self.manifest()
         path = self.checkpoint_path(shard, manifest)
-        if manifest.format == "parquet":
-            arrow_checkpoint.append(path, outcomes, manifest.endpoint)
-        else:
-            append_outcomes(path, outcomes)
+        FORMATS[manifest.format].append_checkpoint(path, outcomes, manifest.endpoint)
 
     def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
         """The latest outcome of each row of the shard that has one, by row order. A JSONL job's
@@ -182,10 +177,8 @@ class JobDir:
         :func:`latest_records`); a Parquet job's answers stay in :meth:`answers`."""
         manifest = self.manifest()
         path = self.checkpoint_path(shard, manifest)
-        if manifest.format == "parquet":
-            return arrow_checkpoint.stored_outcomes(arrow_checkpoint.latest(path, manifest.endpoint))
         rng = manifest.shards[shard]
-        return latest_records(path, rng.start, rng.stop, decode_stored_outcome)
+        return FORMATS[manifest.format].checkpoint_outcomes(path, rng.start, rng.stop, manifest.endpoint)
 
     def answers(self, shard: int) -> Iterator[pa.Table]:
         """A Parquet job's shard checkpoint as columns: the latest row per index, by index."""
