@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.definitions import build_definitions
-from anex_pipeline.defs.partitions import JOBS, job_shard_key
-from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import read_jsonl, real_engine_resource, run_job, write_jsonl
 from anex_pipeline_tests.test_batch_api import content, wait
