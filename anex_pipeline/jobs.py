@@ -37,7 +37,7 @@ from anex_pipeline.formats import (
     write_error,
 )
 from anex_pipeline.models import model_unavailable, resolve_model
-from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
+from anex_pipeline.spec import MAX_SHARDS, MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
 from anex_pipeline.storage import is_s3, output_problem
 
 ROWS_PER_SHARD = 4096
@@ -562,7 +562,7 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
 def model_problems(model: str | None) -> list[Problem]:
     """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
     why = model_unavailable(model)
-    return [Problem(why, field="model")] if why else []
+    return [Problem(why, field="model", code=MODEL_NOT_FOUND)] if why else []
 
 
 def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:

@@ -54,7 +54,7 @@ class _Tally:
         usage = o.usage
         if o.error is not None:
             self.failed += 1
-            self.errors[o.error["type"]] += 1
+            self.errors[o.error_type] += 1
         else:
             self.completed += 1
             self.lengths[usage.completion_tokens] += 1

@@ -91,6 +91,11 @@ BODY_FIELDS: dict[str, BodyField] = {
     "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
 }
 
+# The field that holds each endpoint's prompt: what an error about the prompt names.
+PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt", EMBEDDINGS: "input"}
+# The fields by which a row caps its answer's length, the first one set winning.
+CAP_FIELDS = ("max_completion_tokens", "max_tokens")
+
 SAMPLING_FIELDS = frozenset(name for name, f in BODY_FIELDS.items() if f.sampling)
 NON_SAMPLING_FIELDS = frozenset(BODY_FIELDS) - SAMPLING_FIELDS
 _BY_ENDPOINT = {e: {n: f for n, f in BODY_FIELDS.items() if e in f.endpoints} for e in ALL}

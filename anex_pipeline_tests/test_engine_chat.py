@@ -29,6 +29,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     rows[123] = chat_row("row-123", "tell me a story " * 700, max_tokens=8)  # about 2,800 tokens
     # values that pass the submit checks one by one, but not together: vLLM refuses the row
     rows[7] = chat_row("row-7", "hi", max_tokens=8, min_tokens=20)
+    rows[50] = chat_row("row-50", "hi", max_tokens=2040)  # the prompt leaves less of the 2,048-token context
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
 
@@ -37,7 +38,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     lines = read_jsonl(out)
     assert [line["custom_id"] for line in lines] == [f"row-{i}" for i in range(200)]
     for i, line in enumerate(lines):
-        if i in (7, 123):
+        if i in (7, 50, 123):
             continue
         assert line["error"] is None and line["response"]["status_code"] == 200
         body = ChatCompletion.model_validate(line["response"]["body"])
@@ -47,13 +48,19 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     assert long_row["response"]["status_code"] == 400 and long_row["response"]["body"] is None
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "context" in long_row["error"]["message"]
+    assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")
+    over_cap = lines[50]
+    assert over_cap["response"]["status_code"] == 400
+    assert (over_cap["error"]["code"], over_cap["error"]["param"]) == ("context_length_exceeded", "max_tokens")
+    assert "at most" in over_cap["error"]["message"]
     bad_param = lines[7]
     assert bad_param["response"]["status_code"] == 400
     assert bad_param["error"]["type"] == "invalid_request_error"
     assert "min_tokens" in bad_param["error"]["message"]
     report = json.loads((tmp_path / "out.report.json").read_text())
     assert report["status"] == "completed"
-    assert report["request_counts"] == {"total": 200, "completed": 198, "failed": 2, "format_error_rows": 0}
+    assert report["request_counts"] == {"total": 200, "completed": 197, "failed": 3, "format_error_rows": 0}
+    assert report["error_counts"] == {"context_length_exceeded": 2, "invalid_request_error": 1}
     assert report["usage"]["completion_tokens"] > 0
 
 

@@ -32,7 +32,13 @@ from anex_pipeline.cli import main
 from anex_pipeline.completions import Generated, chat_completion
 from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.openai_http import (
+    HttpSettings,
+    OpenAIHttpEngine,
+    ServerUnavailable,
+    named_context_error,
+    row_error,
+)
 from anex_pipeline.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
@@ -230,6 +236,26 @@ def test_a_400_fails_only_its_row_with_the_servers_message_and_param(server: Fak
     assert server.attempts["bad"] == 1  # a refusal is final: never retried
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "server_param", "param"),
+    [("chat", "input_tokens", "messages"), ("completions", None, "prompt"), ("chat", "max_tokens", "max_tokens")],
+)
+def test_a_refusal_over_the_context_gets_openais_code(endpoint: str, server_param: str | None, param: str) -> None:
+    message = "This model's maximum context length is 2048 tokens. However, your prompt contains 2100 input tokens."
+    answer = httpx.Response(
+        400, json={"error": {"message": message, "type": "BadRequestError", "param": server_param, "code": 400}}
+    )
+    error = named_context_error(row_error(answer), endpoint)
+    assert (error.type, error.code, error.param, error.message) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        param,
+        message,
+    )
+    other = httpx.Response(400, json={"error": {"message": "temperature must be at least 0", "param": "temperature"}})
+    assert named_context_error(row_error(other), endpoint).code is None
+
+
 def test_a_429_is_retried_after_the_wait_the_server_asks_for(server: FakeServer) -> None:
     started = time.monotonic()
     [outcome] = engine_on(server).run([request(0, "busy")])
@@ -410,3 +436,4 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     assert set(long_row["error"]) == {"message", "type", "code", "param"}
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "maximum context length" in long_row["error"]["message"]
+    assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")

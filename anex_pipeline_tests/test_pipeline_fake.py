@@ -65,9 +65,10 @@ def test_parquet_job_adds_row_index_output_and_error_type(tmp_path: Path, fake_r
     assert table.column("row_index").to_pylist() == list(range(200))
     assert table.column("topic").to_pylist() == [f"t{i}" for i in range(200)]
     kinds = table.column("error_type").to_pylist()
-    assert kinds[10] == "invalid_request_error" and table.column("output")[10].as_py() is None
+    assert kinds[10] == "context_length_exceeded" and table.column("output")[10].as_py() is None
     assert kinds[0] == "length"  # the fake's answers are longer than 3 words
     assert report.request_counts.failed == 1
+    assert report.error_counts["context_length_exceeded"] == 1
 
 
 def test_parquet_with_own_id_keeps_it(tmp_path: Path, fake_runner: JobRunner) -> None:

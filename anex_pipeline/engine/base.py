@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from anex_pipeline.formats import InputRow
-from anex_pipeline.request_fields import NON_SAMPLING_FIELDS
+from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
 from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
 from anex_pipeline.structured import mark_completion
 
@@ -30,6 +30,7 @@ class EngineRequest:
     body: dict[str, Any]
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    cap_field: str | None = None  # the body field that set max_tokens; None: the job's figure did
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_budget: int | None = None  # None: no cap
@@ -74,7 +75,7 @@ def resolve_request(
     body = row.body
     sampling = options.sampling_defaults()
     sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_FIELDS})
-    row_cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    cap_field = next((name for name in CAP_FIELDS if body.get(name) is not None), None)
     response_format = body.get("response_format", options.response_format)
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
@@ -89,7 +90,8 @@ def resolve_request(
         endpoint=endpoint,
         body=body,
         sampling=sampling,
-        max_tokens=row_cap if row_cap is not None else max_tokens,
+        max_tokens=body[cap_field] if cap_field is not None else max_tokens,
+        cap_field=cap_field,
         response_format=response_format if endpoint != "embeddings" else None,
         chat_template_kwargs=kwargs,
         reasoning_budget=body.get("thinking_token_budget", reasoning_budget) or None,  # the row's own wins

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from anex_pipeline.spec import error_kind
+
 FileFormat = Literal["jsonl", "parquet"]
 
 PARQUET_MAGIC = b"PAR1"
@@ -61,8 +63,11 @@ class StoredOutcome(msgspec.Struct):
 
     @property
     def error_type(self) -> str | None:
-        """The error's type for a failed row, else the completion's flag ("length", ...)."""
-        return self.error["type"] if self.error is not None else self.flag
+        """What a failed row counts as (:func:`~anex_pipeline.spec.error_kind`), else the
+        completion's flag ("length", ...)."""
+        if self.error is None:
+            return self.flag
+        return error_kind(self.error["type"], self.error.get("code"))
 
 
 decode_stored_outcome = msgspec.json.Decoder(StoredOutcome).decode

@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from anex_pipeline.formats import InputRow, arrow_checkpoint
-from anex_pipeline.spec import Endpoint, JobOptions, Problem
-from anex_pipeline.validate import check_body
+from anex_pipeline.spec import DUPLICATE_ID, MISSING_PARAMETER, Endpoint, JobOptions, Problem
+from anex_pipeline.validate import FieldProblem, check_body
 
 T = TypeVar("T")
 BATCH_ROWS = 16_384
@@ -191,13 +191,13 @@ def _checked_rows(
         if has_id:
             key = "" if row_id is None else str(row_id)
             if row_id is None:
-                problems.append(Problem("is null; every row needs an id", number, "id"))
+                problems.append(Problem("is null; every row needs an id", number, "id", MISSING_PARAMETER))
             elif seen is not None and key in seen:
-                problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id"))
+                problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id", DUPLICATE_ID))
             elif seen is not None:
                 seen[key] = number
         found = _problems(prompt, request_body(prompt, endpoint, options), column, endpoint, model_names)
-        problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
+        problems += [Problem(p.message.replace("body.", ""), number, column, p.code) for p in found]
         if problems:
             yield from problems
         else:
@@ -230,11 +230,11 @@ def request_body(value: Any, endpoint: Endpoint, options: JobOptions) -> dict[st
 
 def _problems(
     value: Any, body: dict[str, Any], column: str, endpoint: Endpoint, model_names: frozenset[str]
-) -> list[tuple[str, str]]:
+) -> list[FieldProblem]:
     if value is None:
-        return [(column, "is null; the row has nothing to send")]
+        return [FieldProblem(column, "is null; the row has nothing to send", MISSING_PARAMETER)]
     if isinstance(value, str) and not value.strip() and endpoint != "embeddings":
-        return [(column, "is empty; there is no prompt to send")]
+        return [FieldProblem(column, "is empty; there is no prompt to send")]
     return check_body(body, endpoint, model_names)
 
 
