@@ -200,7 +200,7 @@ def merge_job(job: JobDir) -> JobReport:
             _write_jsonl(job, manifest, partial, tally)
         else:
             answers = _answer_tables(job, manifest, tally)
-            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint, manifest.job_options())
         partial.replace(final)
     except OSError as exc:  # e.g. a full disk: leave no half-written result behind
         partial.unlink(missing_ok=True)

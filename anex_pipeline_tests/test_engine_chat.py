@@ -80,18 +80,38 @@ def test_cli_run_gives_real_english_answers(tmp_path: Path) -> None:
 
 def test_200_row_parquet_job(tmp_path: Path, real_runner: JobRunner) -> None:
     prompts = [f"Name a colour. ({i})" for i in range(200)]
+    prompts[77] = "tell me a story " * 700  # about 2,800 tokens, over the 2,048-token context
     pq.write_table(pa.table({"prompt": prompts, "batch": ["a"] * 200}), tmp_path / "in.parquet")
     out = tmp_path / "out.parquet"
     report = run_job(real_runner, tmp_path / "in.parquet", out, {"max_tokens": 6, "temperature": 0})
-    assert report.status == "completed" and report.request_counts.completed == 200
+    assert report.status == "completed" and report.request_counts.completed == 199
+    assert report.error_counts.get("context_length_exceeded") == 1
     table = pq.read_table(out)
     assert table.num_rows == 200
-    assert table.column_names == ["prompt", "batch", "row_index", "output", "error_type"]
+    assert table.column_names == [
+        "prompt",
+        "batch",
+        "row_index",
+        "output",
+        "error_type",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+    ]
     assert table.column("row_index").to_pylist() == list(range(200))
     assert table.column("prompt").to_pylist() == prompts
-    outputs = table.column("output").to_pylist()
-    assert all(isinstance(o, str) and o for o in outputs)
-    assert set(table.column("error_type").to_pylist()) <= {None, "length"}
+    rows = table.to_pylist()
+    failed = rows.pop(77)
+    assert failed["error_type"] == "context_length_exceeded" and failed["output"] is None
+    assert (failed["prompt_tokens"], failed["completion_tokens"], failed["finish_reason"]) == (None, None, None)
+    assert all(isinstance(r["output"], str) and r["output"] for r in rows)
+    assert {r["error_type"] for r in rows} <= {None, "length"}
+    for r in rows:  # the row's own figures: the chat template's tokens around the prompt, at most 6 answered
+        assert 10 < r["prompt_tokens"] < 60 and 0 < r["completion_tokens"] <= 6
+        assert r["finish_reason"] in ("stop", "length")
+        assert (r["error_type"] == "length") == (r["finish_reason"] == "length")
+    assert sum(r["prompt_tokens"] for r in rows) == report.usage.prompt_tokens
+    assert sum(r["completion_tokens"] for r in rows) == report.usage.completion_tokens
 
 
 def test_completions_job(tmp_path: Path, real_runner: JobRunner) -> None:

@@ -87,6 +87,14 @@ def write_error(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
+def finish_reason_of(endpoint: str, body: dict[str, Any] | None) -> str | None:
+    """Why a completion body's answer ended (``stop``, ``length``, ``tool_calls``); None for an
+    embedding or a row without a body."""
+    if body is None or endpoint == "embeddings":
+        return None
+    return (body.get("choices") or [{}])[0].get("finish_reason")
+
+
 def text_of(endpoint: str, body: dict[str, Any]) -> str:
     """The answer text of a completion body, or the whole body as JSON when it has no text."""
     choice = (body.get("choices") or [{}])[0]

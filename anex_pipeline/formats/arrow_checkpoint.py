@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, text_of, write_error
+from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, finish_reason_of, text_of, write_error
 from anex_pipeline.spec import Endpoint, RowOutcome
 
 USAGE_COLUMNS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
@@ -48,6 +48,7 @@ def schema(endpoint: Endpoint) -> pa.Schema:
             pa.field("format_error", pa.bool_()),
             *(pa.field(name, pa.int64()) for name in USAGE_COLUMNS),
             pa.field("reused", pa.bool_()),
+            pa.field("finish_reason", pa.string()),
             pa.field("value", value_field(endpoint).type),
         ]
     )
@@ -107,6 +108,7 @@ def _batch(rows: list[RowOutcome], endpoint: Endpoint) -> pa.RecordBatch:
         "format_error": [o.format_error for o in rows],
         **{name: [o.usage.get(name, 0) for o in rows] for name in USAGE_COLUMNS},
         "reused": [o.reused for o in rows],
+        "finish_reason": [finish_reason_of(endpoint, o.body) if o.error is None else None for o in rows],
         "value": [_value(o, endpoint) for o in rows],
     }
     return pa.RecordBatch.from_pydict(columns, schema=schema(endpoint))

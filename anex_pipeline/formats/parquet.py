@@ -24,6 +24,13 @@ SHARD_FILE = "requests.arrow"
 SHARD_COLUMNS = ("i", "key", "value")
 # A prompt made only of what str.strip() removes (every such character is at most U+3000).
 _BLANK = "^[{}]*$".format("".join(f"\\x{{{c:x}}}" for c in range(0x3001) if chr(c).isspace()))
+# The columns of each row's metadata in a result (option row_metadata).
+ROW_METADATA = (
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+)
+TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens")
 PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("messages", "prompt"),
     "completions": ("prompt",),
@@ -94,23 +101,28 @@ def prompt_column(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
     )
 
 
-def result_columns(schema: pa.Schema, endpoint: Endpoint) -> list[str]:
+def result_fields(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) -> list[pa.Field]:
     """The columns a job's result adds to the input's: ``row_index`` (when there is no ``id``), the
-    answer (or embedding) and ``error_type``."""
-    added = [] if "id" in schema.names else ["row_index"]
-    return [*added, arrow_checkpoint.value_field(endpoint).name, "error_type"]
+    answer (or embedding), ``error_type`` and, unless the ``row_metadata`` option is off, the
+    row's token counts and finish reason (an embedding has only its prompt's tokens)."""
+    added = [] if "id" in schema.names else [pa.field("row_index", pa.int64())]
+    added += [arrow_checkpoint.value_field(endpoint), pa.field("error_type", pa.string())]
+    if options.row_metadata:
+        added += [f for f in ROW_METADATA if endpoint != "embeddings" or f.name == "prompt_tokens"]
+    return added
 
 
-def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str) -> list[Problem]:
+def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str, options: JobOptions) -> list[Problem]:
     """A problem for each input column that a result column would replace."""
     roles = {"row_index": "the row numbers", "error_type": "each row's error"}
+    roles.update(dict.fromkeys((f.name for f in ROW_METADATA), "each row's metadata; or set row_metadata to false"))
     return [
         Problem(
             f"is a column the result writes ({roles.get(name, 'the answers')}), so its values would be lost; "
             "rename it in the file" + (" and set prompt_column to the new name" if name == prompt else ""),
             field=name,
         )
-        for name in result_columns(schema, endpoint)
+        for name in (f.name for f in result_fields(schema, endpoint, options))
         if name in schema.names
     ]
 
@@ -130,7 +142,7 @@ def read_chunks(
     except ParquetInputError as exc:
         yield from exc.problems
         return
-    taken = _taken_names(pf.schema_arrow, endpoint, column)
+    taken = _taken_names(pf.schema_arrow, endpoint, column, options)
     if taken:
         yield from taken
         return
@@ -283,36 +295,36 @@ def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[
             yield from chunk_rows(reader.get_batch(n), endpoint, options)
 
 
-def write_results(input_path: Path, out_path: Path, answers: Iterator[pa.Table], endpoint: Endpoint) -> int:
-    """Copies the input's columns and adds the result columns, keeping only rows with an answer.
+def write_results(
+    input_path: Path, out_path: Path, answers: Iterator[pa.Table], endpoint: Endpoint, options: JobOptions
+) -> int:
+    """Copies the input's columns and adds the result columns (:func:`result_fields`), keeping only
+    rows with an answer.
 
     ``answers`` are checkpoint tables (:mod:`~anex_pipeline.formats.arrow_checkpoint`) whose rows
     come in ascending input order across all of them; rows without one (a job that stopped
     early) are left out. Returns the number of rows written.
     """
     pf = open_input(input_path)
-    add_index = "id" not in pf.schema_arrow.names
-    value = arrow_checkpoint.value_field(endpoint)
-    fields = list(pf.schema_arrow)  # none of them has the name of a result column: checked at submit
-    schema = pa.schema(
-        fields
-        + ([pa.field("row_index", pa.int64())] if add_index else [])
-        + [value, pa.field("error_type", pa.string())]
-    )
+    added = result_fields(pf.schema_arrow, endpoint, options)
+    # none of the input's columns has the name of a result column: checked at submit
+    schema = pa.schema(list(pf.schema_arrow) + added)
     written = 0
     with pq.ParquetWriter(out_path, schema) as writer:
-        for table in _made_ahead(_result_tables(pf, answers, schema, add_index, endpoint)):
+        for table in _made_ahead(_result_tables(pf, answers, schema, len(added), endpoint)):
             writer.write_table(table)
             written += table.num_rows
     return written
 
 
 def _result_tables(
-    pf: pq.ParquetFile, answers: Iterator[pa.Table], schema: pa.Schema, add_index: bool, endpoint: Endpoint
+    pf: pq.ParquetFile, answers: Iterator[pa.Table], schema: pa.Schema, added: int, endpoint: Endpoint
 ) -> Iterator[pa.Table]:
     """The result, a table per batch of input rows: the input's columns of the rows that have an
-    answer, then ``row_index`` (with ``add_index``), the answer and ``error_type``."""
-    copied = schema.names[: -3 if add_index else -2]
+    answer, then the ``added`` result columns, taken from the checkpoint's columns of the same name
+    (``row_index`` is the row's ``i``, the answer its ``value``); a failed row has no token counts."""
+    copied = schema.names[:-added]
+    sources = {"row_index": "i", arrow_checkpoint.value_field(endpoint).name: "value"}
     pending = _Answers(answers, arrow_checkpoint.schema(endpoint))
     offset = 0
     for batch in pf.iter_batches(batch_size=MERGE_ROWS):
@@ -322,8 +334,13 @@ def _result_tables(
         taken = pa.Table.from_batches([batch])
         if found.num_rows < batch.num_rows:
             taken = taken.take(pc.subtract(indices, offset))
-        cols = [taken.column(name) for name in copied] + ([indices] if add_index else [])
-        cols += [found.column("value"), found.column("error_type")]  # a failed row's value is null
+        failed = pc.is_valid(found.column("error"))
+        cols = [taken.column(name) for name in copied]
+        for name in schema.names[-added:]:
+            column = found.column(sources.get(name, name))  # a failed row's value is null
+            if name in TOKEN_COLUMNS:
+                column = pc.if_else(failed, pa.scalar(None, column.type), column)
+            cols.append(column)
         yield pa.Table.from_arrays(cols, schema=schema)
         offset = stop
 
