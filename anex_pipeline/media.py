@@ -22,6 +22,7 @@ rows that need them.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import ipaddress
 import mimetypes
 import os
@@ -875,7 +876,7 @@ def attach_media(
                     failed.append(media_failure(row, ref, exc))
                     break
             else:
-                ready.append(InputRow(row.index, row.key, _with_values(row.body, values)))
+                ready.append(dataclasses.replace(row, body=_with_values(row.body, values)))
     return ready, failed
 
 

@@ -13,12 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
-Endpoint = Literal["chat", "completions", "embeddings"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
 }
 URL_BY_ENDPOINT: dict[Endpoint, str] = {v: k for k, v in ENDPOINT_BY_URL.items()}
 

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
+from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
     INVALID_TYPE,
     INVALID_VALUE,
@@ -58,6 +59,7 @@ INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
     "max_tokens": (1, INT32_MAX),
     "max_completion_tokens": (1, INT32_MAX),
+    "max_output_tokens": (1, INT32_MAX),
     "min_tokens": (0, INT32_MAX),
     "top_k": (-1, INT32_MAX),
     "reasoning_budget": (0, INT32_MAX),
@@ -138,6 +140,8 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         )
     if endpoint == "chat":
         problems += _check_messages(body.get("messages"))
+    elif endpoint == "responses":
+        problems += _check_responses_request(body)
     elif endpoint == "completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -276,6 +280,102 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
             continue
         message = f"must be a string or a list of content parts, got {_kind(content)}"
         return [wrong_kind(f"{where}.content", content, message)]
+    return []
+
+
+def _check_responses_request(body: dict[str, Any]) -> list[FieldProblem]:
+    """The parts of a /v1/responses request that have a shape of their own: input, text.format,
+    reasoning.effort."""
+    problems = _check_response_input(body.get("input"))
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        message = f'must be an object like {{"format": {{"type": "json_object"}}}}, got {_kind(text)}'
+        problems.append(FieldProblem("body.text", message, INVALID_TYPE))
+    elif text is not None and text.get("format") is not None:
+        problems += _check_text_format(text["format"])
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        message = f'must be an object like {{"effort": "low"}}, got {_kind(reasoning)}'
+        problems.append(FieldProblem("body.reasoning", message, INVALID_TYPE))
+    elif reasoning is not None and reasoning.get("effort") not in (None, *EFFORTS):
+        message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(reasoning['effort'])}"
+        problems.append(FieldProblem("body.reasoning.effort", message))
+    return problems
+
+
+def _check_response_input(value: Any) -> list[FieldProblem]:
+    where = "body.input"
+    if isinstance(value, str):
+        return [] if value.strip() else [FieldProblem(where, "is empty; there is no prompt to send")]
+    if not isinstance(value, list) or not value:
+        message = f"a responses row needs a string input or a non-empty list of input items, got {_kind(value)}"
+        return [FieldProblem(where, message, MISSING_PARAMETER if value is None else INVALID_TYPE)]
+    for n, item in enumerate(value):
+        at = f"{where}[{n}]"
+        if not isinstance(item, dict):
+            return [
+                FieldProblem(at, f"must be an input item object with role and content, got {_kind(item)}", INVALID_TYPE)
+            ]
+        if item.get("type", "message") != "message":
+            message = f"is a {json.dumps(item['type'])} item; batch rows take message items only (role and content)"
+            return [FieldProblem(f"{at}.type", message)]
+        if item.get("role") not in ITEM_ROLES:
+            return [
+                FieldProblem(
+                    f"{at}.role", f"must be one of {', '.join(ITEM_ROLES)}; got {json.dumps(item.get('role'))}"
+                )
+            ]
+        content = item.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            message = f"must be a string or a list of content parts, got {_kind(content)}"
+            return [wrong_kind(f"{at}.content", content, message)]
+        for p, part in enumerate(content):
+            if (found := _check_input_part(part, f"{at}.content[{p}]")) is not None:
+                return [found]
+    return []
+
+
+def _check_input_part(part: Any, where: str) -> FieldProblem | None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS:
+        text = part.get("text")
+        return (
+            None if isinstance(text, str) else wrong_kind(f"{where}.text", text, f"must be a string, got {_kind(text)}")
+        )
+    if kind == IMAGE_PART:
+        url = part.get("image_url")
+        if isinstance(url, str):
+            return None
+        message = "must be the image's URL (https: or data:) as a string; images by file_id are not supported"
+        return wrong_kind(f"{where}.image_url", url, message)
+    wanted = ", ".join((*TEXT_PARTS, IMAGE_PART))
+    return FieldProblem(f"{where}.type", f"must be one of {wanted}; got {json.dumps(kind)}")
+
+
+def _check_text_format(fmt: Any) -> list[FieldProblem]:
+    """text.format of a responses request: chat's response_format with the schema one level up."""
+    where = "body.text.format"
+    if not isinstance(fmt, dict):
+        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {_kind(fmt)}')]
+    kind = fmt.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
+        return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(kind)}")]
+    if kind != "json_schema":
+        return []
+    if "json_schema" in fmt:
+        message = (
+            'in a responses request the schema goes straight in text.format: {"type": "json_schema", '
+            '"name": ..., "schema": {...}}'
+        )
+        return [FieldProblem(f"{where}.json_schema", message, UNKNOWN_PARAMETER)]
+    if not isinstance(fmt.get("name"), str):
+        return [wrong_kind(f"{where}.name", fmt.get("name"), "is required for type 'json_schema': the schema's name")]
+    if not isinstance(fmt.get("schema"), dict):
+        message = f"must be a JSON Schema object (got {_kind(fmt.get('schema'))})"
+        return [wrong_kind(f"{where}.schema", fmt.get("schema"), message)]
     return []
 
 

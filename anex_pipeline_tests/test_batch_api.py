@@ -281,7 +281,7 @@ def test_size_limits_and_keys(tmp_path: Path, fake_runner: JobRunner) -> None:
             sdk.batches.list(extra_headers={"Authorization": openai.omit})
         assert missing.value.body["code"] == "missing_api_key"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad:
-            sdk.batches.create(input_file_id="file-x", endpoint="/v1/responses", completion_window="24h")
+            sdk.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")
         assert bad.value.body["param"] == "endpoint"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad:
             sdk.post(

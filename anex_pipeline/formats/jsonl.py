@@ -14,6 +14,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from anex_pipeline import responses
 from anex_pipeline.formats import InputRow, StoredOutcome
 from anex_pipeline.spec import (
     DUPLICATE_ID,
@@ -157,7 +158,7 @@ def read_chunks(
     index = 0
     chunk: list[bytes] = []
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
-    prompt = options.system_prompt if endpoint == "chat" else None
+    prompt = options.system_prompt if endpoint in ("chat", "responses") else None
     with path.open("rb") as f:
         head = f.read(4)
         if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
@@ -320,7 +321,10 @@ def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], num
 
 
 def _apply_job_prompt(body: dict[str, Any], endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
-    """Prepends the job's system_prompt to a chat row that has no system message of its own."""
+    """Prepends the job's system_prompt to a chat row that has no system message of its own, and
+    gives it as instructions to a responses row that has none."""
+    if endpoint == "responses" and options.system_prompt and not body.get("instructions"):
+        return {**body, "instructions": options.system_prompt}
     if endpoint != "chat" or not options.system_prompt:
         return body
     if any(m.get("role") in ("system", "developer") for m in body["messages"]):
@@ -364,10 +368,12 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
 
 
 def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, as prepared (the job's endpoint and options are already applied)."""
+    """A shard's rows, as prepared (the job's options are already applied; a /v1/responses row
+    comes as the chat row it means)."""
     with path.open("rb") as f:
         for line in f:
-            yield shard_row(line)
+            row = shard_row(line)
+            yield responses.chat_row(row) if endpoint == "responses" else row
 
 
 def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:

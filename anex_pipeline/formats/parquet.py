@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from anex_pipeline import responses
 from anex_pipeline.formats import InputRow, arrow_checkpoint
 from anex_pipeline.spec import DUPLICATE_ID, MISSING_PARAMETER, Endpoint, JobOptions, Problem
 from anex_pipeline.validate import FieldProblem, check_body
@@ -35,6 +36,7 @@ PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("messages", "prompt"),
     "completions": ("prompt",),
     "embeddings": ("input", "text"),
+    "responses": ("input", "prompt"),
 }
 
 
@@ -229,15 +231,21 @@ def request_body(value: Any, endpoint: Endpoint, options: JobOptions) -> dict[st
         return {"input": value}
     if endpoint == "completions":
         return {"prompt": value}
-    if isinstance(value, str):
-        messages: Any = [{"role": "user", "content": value}]
-    elif isinstance(value, list):
-        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
-    else:
-        messages = value
+    if endpoint == "responses":
+        body = {"input": _without_nulls(value)}
+        return {**body, "instructions": options.system_prompt} if options.system_prompt else body
+    messages = [{"role": "user", "content": value}] if isinstance(value, str) else _without_nulls(value)
     if options.system_prompt and isinstance(messages, list):
         messages = [{"role": "system", "content": options.system_prompt}, *messages]
     return {"messages": messages}
+
+
+def _without_nulls(value: Any) -> Any:
+    """A list of messages or items read from Arrow structs, without the fields a row left null
+    (a struct column has every field any row has); any other value as it is."""
+    if not isinstance(value, list):
+        return value
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
 
 
 def _problems(
@@ -289,10 +297,12 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
 
 
 def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, with the request bodies built from their prompts under the job's options."""
+    """A shard's rows, with the request bodies built from their prompts under the job's options (a
+    /v1/responses row comes as the chat row it means)."""
     with pa.OSFile(str(path)) as source, pa.ipc.open_file(source) as reader:
         for n in range(reader.num_record_batches):
-            yield from chunk_rows(reader.get_batch(n), endpoint, options)
+            for row in chunk_rows(reader.get_batch(n), endpoint, options):
+                yield responses.chat_row(row) if endpoint == "responses" else row
 
 
 def write_results(
