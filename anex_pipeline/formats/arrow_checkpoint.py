@@ -62,6 +62,8 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     message = memoryview(_batch(rows, endpoint).serialize())
+    if str(path) not in _known_ends:  # the first append of this process: the file may be older
+        _upgrade(path, endpoint)
     with path.open("ab", buffering=0) as f:
         found = os.fstat(f.fileno())
         start = _good_end(path, found)
@@ -79,6 +81,42 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
             raise write_error(exc, path) from None
         stat = os.fstat(f.fileno())
         _known_ends[str(path)] = (stat.st_ino, stat.st_size)
+
+
+def _upgrade(path: Path, endpoint: Endpoint) -> None:
+    """Rewrites a checkpoint written before a column was added (``finish_reason``), its rows
+    given nulls there, so that the rows appended next share its schema. Written aside and
+    renamed into place: a crash leaves the old file whole."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    wanted = schema(endpoint)
+    try:
+        with pa.memory_map(str(path)) as source:
+            if pa.ipc.open_stream(source).schema.equals(wanted):
+                return
+    except _READ_ERRORS:  # not even the schema is whole: the append starts the file afresh
+        return
+    aside = path.with_name(f".{path.name}.upgrade")
+    try:
+        with aside.open("wb") as f:
+            f.write(wanted.serialize().to_pybytes())
+            for batch in whole_batches(path):
+                f.write(_conformed(batch, wanted).serialize().to_pybytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, path)
+    except OSError as exc:
+        aside.unlink(missing_ok=True)
+        raise write_error(exc, path) from None
+
+
+def _conformed(batch: pa.RecordBatch, wanted: pa.Schema) -> pa.RecordBatch:
+    """A batch of an older checkpoint in the current schema: columns it lacks are null."""
+    if batch.schema.equals(wanted):
+        return batch
+    names = batch.schema.names
+    columns = [batch.column(f.name) if f.name in names else pa.nulls(batch.num_rows, f.type) for f in wanted]
+    return pa.RecordBatch.from_arrays(columns, schema=wanted)
 
 
 def _good_end(path: Path, stat: os.stat_result) -> int:
@@ -128,7 +166,8 @@ def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterato
     copied is the row indices (8 bytes a row), the order to take them in when the file is not in
     order (8 more), and one window at a time."""
     window = window or WINDOW_ROWS
-    table = pa.Table.from_batches(list(whole_batches(path)), schema=schema(endpoint))
+    wanted = schema(endpoint)
+    table = pa.Table.from_batches([_conformed(b, wanted) for b in whole_batches(path)], schema=wanted)
     indices = table.column("i").to_numpy()
     if (np.diff(indices) > 0).all():  # simply appended in order, once each
         for start in range(0, table.num_rows, window):
