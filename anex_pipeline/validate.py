@@ -83,14 +83,21 @@ NUMBER_FIELDS = frozenset(
 )
 
 
+def _check_format_type(fmt: Any, where: str) -> list[FieldProblem]:
+    """The outer shape of a structured-output format: an object of one of the known types."""
+    if not isinstance(fmt, dict):
+        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {_kind(fmt)}')]
+    if fmt.get("type") not in RESPONSE_FORMAT_TYPES:
+        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
+        return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(fmt.get('type'))}")]
+    return []
+
+
 def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
     """Structural check of a response_format: the type, and the nested json_schema.schema object."""
-    if not isinstance(rf, dict):
-        return [wrong_kind(where, rf, f'must be an object like {{"type": "json_object"}}, got {_kind(rf)}')]
-    kind = rf.get("type")
-    if kind not in RESPONSE_FORMAT_TYPES:
-        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
-        return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(kind)}")]
+    if found := _check_format_type(rf, where):
+        return found
+    kind = rf["type"]
     spec = rf.get("json_schema")
     if kind != "json_schema":
         if spec is not None:
@@ -357,13 +364,9 @@ def _check_input_part(part: Any, where: str) -> FieldProblem | None:
 def _check_text_format(fmt: Any) -> list[FieldProblem]:
     """text.format of a responses request: chat's response_format with the schema one level up."""
     where = "body.text.format"
-    if not isinstance(fmt, dict):
-        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {_kind(fmt)}')]
-    kind = fmt.get("type")
-    if kind not in RESPONSE_FORMAT_TYPES:
-        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
-        return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(kind)}")]
-    if kind != "json_schema":
+    if found := _check_format_type(fmt, where):
+        return found
+    if fmt["type"] != "json_schema":
         return []
     if "json_schema" in fmt:
         message = (
