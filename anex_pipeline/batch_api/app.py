@@ -277,14 +277,12 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
             400,
             f"endpoint {body.endpoint!r} is not supported here; use one of {supported}.",
             param="endpoint",
-            code=INVALID_VALUE,
         )
     if body.completion_window != "24h":
         raise ApiError(
             400,
             f"completion_window must be '24h', got {body.completion_window!r}.",
             param="completion_window",
-            code=INVALID_VALUE,
         )
     if (body.input_file_id is None) == (body.requests is None):
         raise ApiError(
@@ -323,7 +321,6 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
             400,
             f"the job option endpoint {options['endpoint']!r} contradicts the batch's endpoint {body.endpoint}.",
             param="anex_options.endpoint",
-            code=INVALID_VALUE,
         )
     try:
         return parse_options(options).model_dump(exclude_defaults=True)

@@ -226,7 +226,7 @@ class VllmLocalEngine:
         cap = req.max_tokens
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise RequestProblem(f"max_tokens must be a positive integer, got {cap!r}", "max_tokens")
-        if cap is not None and req.cap_field is not None and cap > room:  # the job's own figure is cut to fit
+        if cap is not None and req.cap_field is not None and cap > room:  # a job-wide figure is cut to fit instead
             raise RequestProblem(
                 f"{req.cap_field} is {cap} but the prompt's {prompt_len} tokens leave {room} of the model's "
                 f"context of {self.max_model_len}; set {req.cap_field} to at most {room} or shorten the prompt",
