@@ -117,11 +117,14 @@ def result_fields(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
 def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str, options: JobOptions) -> list[Problem]:
     """A problem for each input column that a result column would replace."""
     roles = {"row_index": "the row numbers", "error_type": "each row's error"}
-    roles.update(dict.fromkeys((f.name for f in ROW_METADATA), "each row's metadata; or set row_metadata to false"))
+    roles.update(dict.fromkeys((f.name for f in ROW_METADATA), "each row's metadata"))
+    metadata = {f.name for f in ROW_METADATA}
     return [
         Problem(
             f"is a column the result writes ({roles.get(name, 'the answers')}), so its values would be lost; "
-            "rename it in the file" + (" and set prompt_column to the new name" if name == prompt else ""),
+            "rename it in the file"
+            + (" and set prompt_column to the new name" if name == prompt else "")
+            + (", or set the option row_metadata to false" if name in metadata else ""),
             field=name,
         )
         for name in (f.name for f in result_fields(schema, endpoint, options))
