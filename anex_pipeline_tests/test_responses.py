@@ -17,6 +17,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline_tests.conftest import read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import shared_fake_engine
+from anex_pipeline_tests.test_media import MediaServer
 
 
 def responses_row(cid: str, given: Any, **body: Any) -> dict[str, Any]:
@@ -159,3 +160,30 @@ def test_the_submit_check_names_what_is_wrong(
     (problem,) = rejected.value.problems
     assert (problem.line, problem.field, problem.code) == (1, field, code)
     assert words in problem.message
+
+
+def test_images_by_url_are_fetched_and_a_failed_one_names_the_input_part(
+    tmp_path: Path, fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
+    server = MediaServer()
+    try:
+
+        def asking(url: str) -> list[dict[str, Any]]:
+            parts = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": url}]
+            return [{"role": "user", "content": parts}]
+
+        rows = [
+            responses_row("found", asking(server.url("/img/1.png"))),
+            responses_row("gone", asking(server.url("/x"))),
+        ]
+        src = write_jsonl(tmp_path / "in.jsonl", rows)
+        options = {"max_tokens": 8, "media": {"allowed_hosts": ["127.0.0.1"], "max_retries": 0}}
+        fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), options))
+    finally:
+        server.close()
+    found, gone = read_jsonl(tmp_path / "out.jsonl")
+    assert Response.model_validate(found["response"]["body"]).status in ("completed", "incomplete")  # as data
+    assert server.hits["/img/1.png"] == 1
+    assert gone["error"]["type"] == "media_fetch_error" and gone["error"]["code"] == 404
+    assert gone["error"]["param"] == "input[0].content[1]"
