@@ -27,9 +27,10 @@ import httpx
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.openai_http import (
@@ -39,8 +40,11 @@ from anex_pipeline.engine.openai_http import (
     named_context_error,
     row_error,
 )
+from anex_pipeline.formats import InputRow
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 
 SERVED = "served-model"
@@ -437,3 +441,19 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "maximum context length" in long_row["error"]["message"]
     assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_a_responses_row_is_sent_as_chat_and_answered_as_a_response(server: FakeServer) -> None:
+    body = {"input": "hello", "instructions": "Be brief.", "max_output_tokens": 8, "temperature": 0}
+    row = chat_row_of(InputRow(0, "r0", body))
+    req = resolve_request(row, "job", "responses", JobOptions(), None, None)
+    [outcome] = run_checked(engine_on(server), [req])
+
+    _, sent = server.received[req.request_id]
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    assert sent["max_tokens"] == 8 and sent["temperature"] == 0
+    assert not {"input", "instructions", "max_output_tokens"} & set(sent)
+    answer = Response.model_validate(outcome.body)
+    assert answer.output_text == server.answered[req.request_id]["choices"][0]["message"]["content"]
+    assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens == 2
+    assert (answer.usage.input_tokens, answer.usage.output_tokens, answer.instructions) == (5, 3, "Be brief.")
