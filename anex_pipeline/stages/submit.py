@@ -21,7 +21,7 @@ from anex_pipeline.formats import (
     sniff_format,
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
-from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.spec import MAX_SHARDS, MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -100,7 +100,7 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
 def model_problems(model: str | None) -> list[Problem]:
     """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
     why = model_unavailable(model)
-    return [Problem(why, field="model")] if why else []
+    return [Problem(why, field="model", code=MODEL_NOT_FOUND)] if why else []
 
 
 def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
