@@ -37,10 +37,15 @@ from anex_pipeline.formats import (
     write_error,
 )
 from anex_pipeline.models import model_unavailable, resolve_model
-from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem, RowOutcome
+from anex_pipeline.spec import Endpoint, JobOptions, JobRejected, Problem, RowOutcome
 from anex_pipeline.storage import is_s3, output_problem
 
+# A shard is the unit of work one GPU takes at a time; by default a job gets as many shards as it
+# needs for none to exceed either target (see docs/scale.md for why these sizes).
 ROWS_PER_SHARD = 4096
+TOKENS_PER_SHARD = 4_000_000  # estimated prompt + output tokens
+BYTES_PER_TOKEN = 4  # a prompt's size in tokens, guessed from its bytes at submit
+OUTPUT_TOKENS_GUESS = 256  # output tokens a row is expected to take when the job sets no max_tokens
 MAX_REPORTED_PROBLEMS = 1000
 T = TypeVar("T")
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
@@ -135,6 +140,7 @@ class JobDir:
             )
         self.job_id = job_id
         self.root = Path(work_root) / job_id
+        self._manifest: tuple[tuple[int, int, int], JobManifest] | None = None  # (file stamp, parsed)
 
     @property
     def manifest_path(self) -> Path:
@@ -144,7 +150,13 @@ class JobDir:
         return self.manifest_path.exists()
 
     def manifest(self) -> JobManifest:
-        return JobManifest.model_validate_json(self.manifest_path.read_text())
+        """The job's manifest, parsed again only when its file has changed: a job's steps read
+        it once per shard, and a job with thousands of shards has a manifest as long."""
+        st = self.manifest_path.stat()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if self._manifest is None or self._manifest[0] != stamp:
+            self._manifest = (stamp, JobManifest.model_validate_json(self.manifest_path.read_text()))
+        return self._manifest[1]
 
     def shard_dir(self, shard: int) -> Path:
         return self.root / "shards" / shard_key(shard)
@@ -504,9 +516,22 @@ def _torn_tail_break(path: Path) -> bytes:
     return b""
 
 
-def shard_ranges(total: int, requested: int | None) -> list[ShardRange]:
-    count = requested or math.ceil(total / ROWS_PER_SHARD)
-    count = max(1, min(count, MAX_SHARDS, total))
+def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
+    """How many shards a job of ``total`` rows gets: ``shards`` when set, else enough for at most
+    ``shard_rows`` rows each, else enough for neither ``ROWS_PER_SHARD`` rows nor
+    ``TOKENS_PER_SHARD`` estimated tokens to be exceeded; never more shards than rows."""
+    if options.shards is not None:
+        count = options.shards
+    elif options.shard_rows is not None:
+        count = math.ceil(total / options.shard_rows)
+    else:
+        tokens = staged_bytes / BYTES_PER_TOKEN + total * (options.max_tokens or OUTPUT_TOKENS_GUESS)
+        count = max(math.ceil(total / ROWS_PER_SHARD), math.ceil(tokens / TOKENS_PER_SHARD))
+    return max(1, min(count, total))
+
+
+def shard_ranges(total: int, count: int) -> list[ShardRange]:
+    """``count`` contiguous slices of ``total`` rows whose sizes differ by one at most."""
     bounds = [total * s // count for s in range(count + 1)]
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
@@ -671,7 +696,7 @@ def prepare_job(
     if total == 0:
         staging.unlink(missing_ok=True)
         raise JobRejected([Problem(f"input file {input_path} has no rows")])
-    ranges = shard_ranges(total, options.shards)
+    ranges = shard_ranges(total, shard_count(total, staging.stat().st_size, options))
     _split(staging, job, ranges, kind)
     staging.unlink()
     model_path, model_name = resolve_model(options.model, endpoint)

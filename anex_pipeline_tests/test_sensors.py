@@ -25,8 +25,8 @@ from anex_pipeline.definitions import build_definitions, defs
 from anex_pipeline.defs.partitions import JOBS, job_shard_key
 from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.defs.sensors import (
-    JOB_DIMENSION_TAG,
     LAUNCHED_BY_TAG,
+    PARTITION_TAG,
     LocalInboxSettings,
     RetrySettings,
     S3InboxSettings,
@@ -524,7 +524,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
             cli.wait(timeout=30)
         assert instance.get_run_by_id(shard_run.run_id).status == dg.DagsterRunStatus.STARTED
 
-        job_id = shard_run.tags[JOB_DIMENSION_TAG]
+        job_id = shard_run.tags[PARTITION_TAG].split("|")[0]
         assert deployment.drive() == [
             [f"shard_job:{job_shard_key(job_id, s)}" for s in range(2)],
             [f"finish_job:{job_id}"],
