@@ -15,7 +15,9 @@ its last shard and its publish to run. Then it times:
   ``merged_result`` (the status cache the UI's partition bar reads, first built, then brought up
   to date);
 - ``prune``: ``anex-pipeline prune`` with ``--prune`` of the jobs older than its limit (their runs,
-  keys and folders removed; the listing walks every job folder).
+  keys and folders removed; the listing walks every job folder);
+- one job of ``--job-shards`` shards run through the CLI's runner on the fake engine: what a
+  Dagster run per shard costs, per shard, on an instance this full.
 
     .venv/bin/python -m bench.scale_instance --jobs 20                         # quick check, both backends
     .venv/bin/python -m bench.scale_instance --jobs 10000 --backend sqlite     # the full size
@@ -46,7 +48,9 @@ from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.defs.sensors import PARTITION_TAG
 from anex_pipeline.jobs import JobManifest, ShardRange
 from anex_pipeline.retention import prune
+from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
+from anex_pipeline_tests.conftest import chat_row
 from anex_pipeline_tests.fakes import FakeEngineResource
 
 ROWS_PER_SHARD = 10
@@ -163,6 +167,22 @@ def status(instance: dg.DagsterInstance, asset: str, partitions: dg.PartitionsDe
     return value.deserialize_materialized_partition_subsets(partitions).get_partition_keys().__len__()
 
 
+def run_one_job(instance: dg.DagsterInstance, work: Path, shards: int) -> float:
+    """Seconds per shard of a job of 10 rows a shard run by ``anex-pipeline run``'s runner on the
+    fake engine: what one Dagster run per shard costs on this instance (submit, estimate and the
+    merge are spread over the shards)."""
+    src = work.parent / "one-job.jsonl"
+    src.write_text("".join(json.dumps(chat_row(f"r{n}", f"question {n}")) + "\n" for n in range(10 * shards)))
+    runner = JobRunner(instance, StorageResource(work_root=str(work)), FakeEngineResource())
+    out = str(work.parent / "out.jsonl")
+    try:
+        seconds, report = timed(lambda: runner.run(runner.submit(str(src), out, {"shards": shards})))
+    finally:
+        runner.close()
+    assert report.status == "completed", report.failure_reason
+    return seconds / shards
+
+
 def measure(instance: dg.DagsterInstance, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     figures["seed_s"], _ = timed(lambda: populate(instance, work, args.jobs, args.shards, args.pending, args.prune))
@@ -182,6 +202,8 @@ def measure(instance: dg.DagsterInstance, work: Path, args: argparse.Namespace) 
     figures["pruned_jobs"] = len(removed)
     figures["prune_per_job_s"] = figures["prune_s"] / max(1, len(removed))
     figures["shard_keys_after_prune"] = len(instance.get_dynamic_partitions(SHARDS))
+    if args.job_shards:
+        figures["one_job_s_per_shard"] = run_one_job(instance, work, args.job_shards)
     return figures
 
 
@@ -215,6 +237,7 @@ def main() -> None:
     parser.add_argument("--pending", type=float, default=0.01, help="share of jobs still running (default 0.01)")
     parser.add_argument("--prune", type=float, default=0.1, help="share of jobs old enough to prune (default 0.1)")
     parser.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
+    parser.add_argument("--job-shards", type=int, default=20, help="then run one job of this many shards (0: none)")
     parser.add_argument("--dir", default=None, help="where the SQLite home and work folders go (default: the temp dir)")
     args = parser.parse_args()
     for backend in ["sqlite", "postgres"] if args.backend == "both" else [args.backend]:
