@@ -232,7 +232,7 @@ def step_error_message(error: Any) -> str:
     return message[own.end() :] if own else message
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 16)  # more than the jobs one instance keeps (docs/scale.md): a tick reads each once
 def _shard_count(work_root: str, job_id: str, submitted: int) -> int | None:
     """Shards the job uses; ``submitted`` is in the cache key because a resubmission may change it."""
     job = JobDir(Path(work_root).expanduser(), job_id)
