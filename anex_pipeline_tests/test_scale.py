@@ -133,3 +133,20 @@ def test_real_engine_job_with_four_shards_has_four_keys(tmp_path: Path, real_run
     assert shard_keys_on(instance, report.job_id) == shard_keys(report.job_id, 4)
     assert materialized(instance, "generations", report.job_id) == sorted(shard_keys(report.job_id, 4))
     assert materialized(instance, "merged_result", report.job_id) == [report.job_id]
+
+
+def test_three_thousand_shards_get_their_keys_and_the_driver_asks_for_each_once(tmp_path: Path) -> None:
+    """Thousands of shards: prepared, keyed and requested by the driver in one tick (not run)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q{i}") for i in range(3000)])
+    with dg.instance_for_test() as instance:
+        storage = StorageResource(work_root=str(tmp_path / "work"))
+        deployment = Deployment(build_definitions(storage, FakeEngineResource()), instance)
+        config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"shard_rows": 1}}
+        deployment.submit("wide", config)
+        assert shard_keys_on(instance, "wide") == shard_keys("wide", 3000)
+        estimate = deployment.tick("job_driver").run_requests
+        assert [r.job_name for r in estimate] == ["estimate_job"]
+        deployment.execute(estimate[0])
+        shards = deployment.tick("job_driver").run_requests
+        assert [r.partition_key for r in shards] == shard_keys("wide", 3000)
+        assert len({r.run_key for r in shards}) == 3000
