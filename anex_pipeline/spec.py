@@ -58,7 +58,7 @@ class JobOptions(_Strict):
     parse_tool_calls: bool | None = None
     reasoning_parser: str | None = None
     tool_parser: str | None = None
-    shards: int | None = Field(default=None, ge=1)  # default: from the job's size (see jobs.shard_count)
+    shards: int | None = Field(default=None, ge=1)  # default: from the job's size (see stages.submit.shard_count)
     shard_rows: int | None = Field(default=None, ge=1)  # or: at most this many rows per shard
     media: MediaOptions = Field(default_factory=MediaOptions)
     temperature: float | None = Field(default=None, ge=0)

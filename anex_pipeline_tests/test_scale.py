@@ -14,12 +14,12 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from anex_pipeline.definitions import build_definitions
-from anex_pipeline.defs.partitions import JOBS, SHARDS, job_shard_key, register_job, shard_keys, shard_keys_on
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.jobs import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
+from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_shard_key, register_job, shard_keys, shard_keys_on
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
+from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
 from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource

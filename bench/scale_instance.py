@@ -42,14 +42,14 @@ import dagster as dg
 from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
 from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
 
-from anex_pipeline.definitions import build_definitions
-from anex_pipeline.defs.partitions import JOBS, SHARDS, job_partitions, shard_keys, shard_partitions
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.defs.sensors import PARTITION_TAG
-from anex_pipeline.jobs import JobManifest, ShardRange
+from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_partitions, shard_keys, shard_partitions
+from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.runs import PARTITION_TAG
 from anex_pipeline.retention import prune
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
+from anex_pipeline.workdir.manifest import JobManifest, ShardRange
 from anex_pipeline_tests.conftest import chat_row
 from anex_pipeline_tests.fakes import FakeEngineResource
 

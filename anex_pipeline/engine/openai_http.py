@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from anex_pipeline.completions import unit_vector
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
-from anex_pipeline.http_retry import retry_after_seconds
+from anex_pipeline.engine.completions import unit_vector
+from anex_pipeline.net.retry import retry_after_seconds
 from anex_pipeline.spec import RowError, RowOutcome
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,27 +17,15 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.estimate import read_estimate, reusable_samples
-from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
-from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.formats import StoredOutcome, jsonl, write_error
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.workdir.timing import read_timings, record_timing
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
-_timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
-
-
-def record_timing(job: JobDir, stage: str, seconds: float) -> None:
-    """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
-    path = job.root / "timings.json"
-    with _timings_lock:
-        timings = json.loads(path.read_text()) if path.exists() else {}
-        timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
-        atomic_write_text(path, json.dumps(timings, indent=2))
-
-
-def read_timings(job: JobDir) -> dict[str, float]:
-    path = job.root / "timings.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class _Tally:
@@ -185,7 +172,7 @@ def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterato
 
 def result_path(job: JobDir) -> Path:
     manifest = job.manifest()
-    return job.root / f"result.{manifest.format}"
+    return job.root / f"{layout.RESULT_STEM}.{manifest.format}"
 
 
 def merge_job(job: JobDir) -> JobReport:
@@ -196,18 +183,19 @@ def merge_job(job: JobDir) -> JobReport:
     partial = final.with_name(f".{final.name}.partial")
     tally = _Tally()
     try:
-        if manifest.format == "jsonl":
-            _write_jsonl(job, manifest, partial, tally)
-        else:
+        module = FORMATS[manifest.format]
+        if module.MERGES_COLUMNS:
             answers = _answer_tables(job, manifest, tally)
-            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+            module.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+        else:
+            _write_jsonl(job, manifest, partial, tally)
         partial.replace(final)
     except OSError as exc:  # e.g. a full disk: leave no half-written result behind
         partial.unlink(missing_ok=True)
         raise write_error(exc, final) from exc
     record_timing(job, "merge", time.monotonic() - started)
     report = build_report(job, manifest, tally)
-    atomic_write_text(job.root / "report.json", report.model_dump_json(indent=2))
+    atomic_write_text(job.report_path, report.model_dump_json(indent=2))
     return report
 
 

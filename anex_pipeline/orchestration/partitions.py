@@ -15,11 +15,11 @@ from collections.abc import Iterable, Sequence
 
 import dagster as dg
 
-from anex_pipeline.jobs import shard_key
+from anex_pipeline.workdir.manifest import shard_key
 
 JOBS = "jobs"
 SHARDS = "shards"
-SEPARATOR = "|"  # never in a job id (see jobs.JOB_ID)
+SEPARATOR = "|"  # never in a job id (see workdir.manifest.JOB_ID)
 CHUNK = 500  # keys per statement: SQLite refuses a statement with more than 32,766 values
 
 job_partitions = dg.DynamicPartitionsDefinition(name=JOBS)
