@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from typing import Any
 
 import dagster as dg
 from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
+from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
 
 from anex_pipeline.orchestration.definitions import build_definitions
@@ -54,6 +56,7 @@ from anex_pipeline_tests.conftest import chat_row
 from anex_pipeline_tests.fakes import FakeEngineResource
 
 ROWS_PER_SHARD = 10
+STAGES = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
 DAY = 86400.0
 SQLITE_YAML = "telemetry:\n  enabled: false\n"
 POSTGRES_YAML = """telemetry:
@@ -76,13 +79,22 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
-def materialize(instance: dg.DagsterInstance, run_id: str, job_name: str, asset: str, key: str) -> None:
+def materialization(run_id: str, job_name: str, asset: str, key: str) -> EventLogEntry:
+    """The event a step writes when it materializes ``asset`` for partition ``key``."""
     event = DagsterEvent(
         event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value,
         job_name=job_name,
         event_specific_data=StepMaterializationData(dg.AssetMaterialization(asset_key=asset, partition=key)),
     )
-    instance.report_dagster_event(event, run_id=run_id)
+    return EventLogEntry(
+        user_message="",
+        level=logging.INFO,
+        job_name=job_name,
+        run_id=run_id,
+        error_info=None,
+        timestamp=time.time(),
+        dagster_event=event,
+    )
 
 
 def add_run(instance: dg.DagsterInstance, job_name: str, key: str) -> str:
@@ -135,20 +147,21 @@ def populate(instance: dg.DagsterInstance, work: Path, jobs: int, shards: int, p
         chunk = ids[n : n + 500]
         instance.add_dynamic_partitions(JOBS, chunk)
         instance.add_dynamic_partitions(SHARDS, [k for j in chunk for k in shard_keys(j, shards)])
-    for job_id in ids:
-        write_job_folder(work, job_id, shards, 10 * DAY if job_id in aged else 60.0)
-        run = add_run(instance, "submit_job", job_id)
-        materialize(instance, run, "submit_job", "validated_input", job_id)
-        materialize(instance, run, "submit_job", "length_estimate", job_id)
-        keys = shard_keys(job_id, shards)
-        for key in keys[:-1] if job_id in waiting else keys:
-            run = add_run(instance, "shard_job", key)
-            materialize(instance, run, "shard_job", "fetched_media", key)
-            materialize(instance, run, "shard_job", "generations", key)
-        if job_id not in waiting:
-            run = add_run(instance, "finish_job", job_id)
-            materialize(instance, run, "finish_job", "merged_result", job_id)
-            materialize(instance, run, "finish_job", "result_file", job_id)
+    steps = {"submit_job": STAGES[:2], "shard_job": STAGES[2:4], "finish_job": STAGES[4:]}
+    for n in range(0, jobs, 100):
+        # Stored a batch per asset (PostgreSQL writes a batch of one asset's materializations at once).
+        events: dict[str, list[EventLogEntry]] = {asset: [] for asset in STAGES}
+        for job_id in ids[n : n + 100]:
+            write_job_folder(work, job_id, shards, 10 * DAY if job_id in aged else 60.0)
+            keys = shard_keys(job_id, shards)
+            runs = [("submit_job", job_id)] + [("shard_job", k) for k in (keys[:-1] if job_id in waiting else keys)]
+            runs += [] if job_id in waiting else [("finish_job", job_id)]
+            for job_name, key in runs:
+                run_id = add_run(instance, job_name, key)
+                for asset in steps[job_name]:
+                    events[asset].append(materialization(run_id, job_name, asset, key))
+        for batch in events.values():
+            instance.event_log_storage.store_event_batch(batch)
 
 
 def tick(defs: dg.Definitions, instance: dg.DagsterInstance) -> int:
