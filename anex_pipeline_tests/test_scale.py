@@ -13,6 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_shard_key, register_job, shard_keys, shard_keys_on
@@ -21,10 +22,11 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
 from anex_pipeline.validate import parse_options
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource
 from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
 from anex_pipeline_tests.test_sensors import Deployment
+from anex_pipeline_tests.test_webserver import ADD_PARTITION, LOCATION_QUERY, serving, step_errors, wait_for_run
 
 PER_SHARD = ["fetched_media", "generations"]
 PER_JOB = ["validated_input", "length_estimate", "merged_result", "result_file"]
@@ -150,3 +152,45 @@ def test_three_thousand_shards_get_their_keys_and_the_driver_asks_for_each_once(
         shards = deployment.tick("job_driver").run_requests
         assert [r.partition_key for r in shards] == shard_keys("wide", 3000)
         assert len({r.run_key for r in shards}) == 3000
+
+
+ASSET_PARTITIONS = """
+query ($path: [String!]!) {
+  assetNodeOrError(assetKey: {path: $path}) {
+    ... on AssetNode {
+      partitionKeysByDimension { partitionKeys }
+      partitionStats { numMaterialized numPartitions }
+    }
+  }
+}
+"""
+
+
+def test_the_ui_shows_exactly_the_shards_a_job_has(tmp_path: Path) -> None:
+    """Through a real webserver: a 3-shard job submitted from the launchpad shows 3 partitions of
+    each per-shard asset and 1 of each job-level asset, with nothing counted missing beyond them."""
+    with serving(tmp_path, REPO / "workspace.yaml") as ws:
+        location = ws.graphql(LOCATION_QUERY)["workspaceOrError"]["locationEntries"][0]
+        selector = {
+            "repositoryLocationName": location["name"],
+            "repositoryName": location["locationOrLoadError"]["repositories"][0]["name"],
+        }
+        src = write_jsonl(ws.files / "in.jsonl", [chat_row(f"u{i}", f"question {i}") for i in range(7)])
+        ws.graphql(ADD_PARTITION, selector=selector, key="ui-three")
+        client = DagsterGraphQLClient("127.0.0.1", port_number=ws.port)
+        config = {"input": str(src), "output": str(ws.files / "out.jsonl"), "options": {"shards": 3}}
+        run_id = client.submit_job_execution(
+            "submit_job",
+            run_config={"ops": {"validated_input": {"config": config}}},
+            tags={"dagster/partition": "ui-three"},
+        )
+        assert wait_for_run(client, run_id) == "SUCCESS", step_errors(ws, run_id)
+
+        def partitions(asset: str) -> tuple[list[str], dict[str, int]]:
+            node = ws.graphql(ASSET_PARTITIONS, path=[asset])["assetNodeOrError"]
+            return node["partitionKeysByDimension"][0]["partitionKeys"], node["partitionStats"]
+
+        for asset in PER_SHARD:
+            assert partitions(asset) == (shard_keys("ui-three", 3), {"numMaterialized": 0, "numPartitions": 3})
+        assert partitions("validated_input") == (["ui-three"], {"numMaterialized": 1, "numPartitions": 1})
+        assert partitions("merged_result") == (["ui-three"], {"numMaterialized": 0, "numPartitions": 1})
