@@ -74,6 +74,9 @@ def test_forty_shards_complete_once_in_order_with_exactly_their_keys_and_delete_
             assert materialized(instance, asset, job_id) == sorted(shard_keys(job_id, 40)), asset
         for asset in PER_JOB:
             assert materialized(instance, asset, job_id) == [job_id], asset
+        shard_runs = instance.get_runs(filters=dg.RunsFilter(job_name="shard_job"))
+        assert sorted(r.tags["dagster/partition"] for r in shard_runs) == sorted(shard_keys(job_id, 40))  # once each
+        assert {r.status for r in shard_runs} == {dg.DagsterRunStatus.SUCCESS}
 
     code, _, err = anex(capsys, "delete", job_id)
     assert code == 0, err
