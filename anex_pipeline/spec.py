@@ -70,6 +70,7 @@ class JobOptions(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0)
     stop: list[str] | str | None = None
     prompt_column: str | None = None
+    image_column: str | None = None
     system_prompt: str | None = None
     estimate_sample_size: int = Field(default=100, ge=4, le=4096)
     estimate_seed: int = 0

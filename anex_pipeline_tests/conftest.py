@@ -61,9 +61,9 @@ def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
     return JobRunner(instance, storage, FakeEngineResource())
 
 
-def real_engine_resource() -> EngineResource:
+def real_engine_resource(**more: Any) -> EngineResource:
     """The real vLLM engine on this machine, sized for the CPU build and small test jobs."""
-    return EngineResource(max_model_len=2048)
+    return EngineResource(max_model_len=2048, **more)
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +74,15 @@ def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]
         runner = JobRunner(inst, storage, real_engine_resource())
         yield runner
         runner.close()
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random vision-language model (see tiny_models.py), built once per test session.
+    Jobs that name it (the ``model`` option) share one loaded engine, like the embedded model's."""
+    from anex_pipeline_tests.tiny_models import build_tiny_vision_model
+
+    return build_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-idefics3")
 
 
 def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:

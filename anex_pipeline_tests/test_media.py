@@ -528,6 +528,10 @@ def test_fetch_shard_records_failed_rows_and_counts(tmp_path: Path, server: Medi
         "cache_problem": "",
         "failed_urls": 2,
         "failed_by_code": {"404": 1, "none": 1},
+        "by_host": {
+            f"127.0.0.1:{server.port}": {"downloaded": 2, "from_cache": 0, "failed": 1},
+            "169.254.169.254": {"downloaded": 0, "from_cache": 0, "failed": 1},
+        },
         "not_fetched_time_limit": 0,
         "rows_failed": 2,
         "bytes": len(image_for("/img/a.png")) + len(image_for("/img/b.png")),
@@ -547,6 +551,7 @@ def test_fetch_shard_records_failed_rows_and_counts(tmp_path: Path, server: Medi
 
     again = fetch_shard(job, 0, options.media)
     assert (again["fetched"], again["from_cache"], again["failed_urls"]) == (0, 2, 2)
+    assert again["by_host"][f"127.0.0.1:{server.port}"] == {"downloaded": 0, "from_cache": 2, "failed": 1}
     assert server.hits["/img/a.png"] == 1 and server.hits["/missing.png"] == 2  # failures are not cached
 
 

@@ -133,17 +133,18 @@ KEY = "sk-stop-test"
 
 
 class Served:
-    """``anex-pipeline serve`` in its own process group, and an SDK client for it."""
+    """``anex-pipeline serve`` (with ``serve_args`` and ``env`` added) in its own process group,
+    and an SDK client for it."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, *serve_args: str, **env: str):
         from openai import OpenAI
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env_keys = {"ANEX_BATCH_API_KEYS": KEY, "NO_PROXY": "127.0.0.1,localhost"}
-        args = ["serve", "--port", str(port), "--work-dir", str(tmp_path / "work")]
-        self.process = start(args, tmp_path / "dagster_home", **env_keys)
+        args = ["serve", "--port", str(port), "--work-dir", str(tmp_path / "work"), *serve_args]
+        self.process = start(args, tmp_path / "dagster_home", **env_keys, **env)
         self.err = Lines(self.process.stderr)  # type: ignore[arg-type]
         self.sdk = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         deadline = time.monotonic() + 120

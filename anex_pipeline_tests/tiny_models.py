@@ -1,4 +1,5 @@
-"""Tiny random models built offline, for tests that need a reasoning or tool-calling model format.
+"""Tiny random models built offline, for tests that need a reasoning or tool-calling model format,
+or a model that reads images (:func:`build_tiny_vision_model`).
 
 The weights are random, so the generated text is noise; what matters is that the tokenizer knows
 every model family's special tokens (so vLLM's parsers find them in the vocabulary) and that the
@@ -68,18 +69,34 @@ CHAT_TEMPLATE = (
 
 HIDDEN = 128
 HEAD_DIM = 64
+IMAGE_TOKEN = "<image>"
+# Idefics3's tokens around and inside an image; the row/column tags name tiles (unused here, but
+# the processor looks them up).
+VISION_TOKENS = (
+    "<fake_token_around_image>",
+    IMAGE_TOKEN,
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+)
+VISION_IMAGE_SIZE = 112
+VISION_PATCH = 14
+VISION_SCALE = 2  # the connector merges VISION_SCALE**2 patches into one token
+VISION_IMAGE_TOKENS = (VISION_IMAGE_SIZE // VISION_PATCH) ** 2 // VISION_SCALE**2
 
 
-def build_tokenizer(folder: Path) -> Any:
-    """Trains a byte-level BPE on a few lines, adds the special tokens, saves it to ``folder``."""
+def build_tokenizer(folder: Path, extra_special: tuple[str, ...] = ()) -> Any:
+    """Trains a byte-level BPE on a few lines, adds the special tokens (and ``extra_special``),
+    saves it to ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    specials = SPECIAL_TOKENS + list(extra_special)
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     core.train_from_iterator(TRAINING_LINES, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
@@ -88,12 +105,29 @@ def build_tokenizer(folder: Path) -> Any:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=specials[3:],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = 2048
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+def decoder_fields(tokenizer: Any) -> dict[str, Any]:
+    """The config fields of the 2-layer decoder every tiny model has, sized for ``tokenizer``."""
+    return {
+        "vocab_size": (len(tokenizer) + 63) // 64 * 64,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HIDDEN // HEAD_DIM,
+        "num_key_value_heads": 1,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 2048,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
 
 
 def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
@@ -103,25 +137,64 @@ def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
-    vocab = len(tokenizer)
-    config = Qwen3Config(
-        vocab_size=(vocab + 63) // 64 * 64,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    config = Qwen3Config(**decoder_fields(tokenizer), tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     model.save_pretrained(folder)
+    return folder
+
+
+def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
+    """A random Idefics3 (a 2-layer SigLIP-style vision tower, a pixel-shuffle connector and a
+    2-layer Llama) with its real image processor and the tokenizer above plus Idefics3's image
+    tokens, saved as a folder vLLM can load.
+
+    Idefics3 rather than LLaVA: vLLM 0.32's LLaVA module imports torchvision (through Pixtral),
+    which the CPU build cannot have. Images are not split into tiles: each is resized to
+    VISION_IMAGE_SIZE square and becomes VISION_IMAGE_TOKENS tokens (the patches, merged four to
+    one by the connector) between its marker tokens.
+    """
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder, extra_special=VISION_TOKENS)
+    text = LlamaConfig(**decoder_fields(tokenizer), tie_word_embeddings=False)
+    vision = Idefics3VisionConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HIDDEN // HEAD_DIM,
+        image_size=VISION_IMAGE_SIZE,
+        patch_size=VISION_PATCH,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        scale_factor=VISION_SCALE,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    model.save_pretrained(folder)
+    side = {"longest_edge": VISION_IMAGE_SIZE}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=VISION_IMAGE_TOKENS, chat_template=CHAT_TEMPLATE
+    )
+    processor.save_pretrained(folder)
     return folder
 
 

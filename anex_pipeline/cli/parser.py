@@ -23,6 +23,7 @@ OPTION_FLAGS: list[tuple[str, str, Any]] = [
     ("--top-k", "top_k", int),
     ("--seed", "seed", int),
     ("--prompt-column", "prompt_column", str),
+    ("--image-column", "image_column", str),
     ("--system-prompt", "system_prompt", str),
     ("--estimate-sample-size", "estimate_sample_size", int),
 ]
@@ -53,6 +54,8 @@ FLAG_HELP: dict[str, str] = {
     "top_k": "default for rows that set none (default: the model's)",
     "seed": "default for rows that set none; with it, sampled rows are reproducible",
     "prompt_column": "Parquet column holding the prompt (default: messages, prompt, input or text)",
+    "image_column": "Parquet column with an image for each row's prompt: a URL (http(s) or data:) "
+    "or the image file's bytes (default: none)",
     "system_prompt": "system message put before every Parquet row's prompt",
     "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
 }

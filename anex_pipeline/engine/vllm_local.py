@@ -56,7 +56,14 @@ log = logging.getLogger(__name__)
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
 SHUTDOWN_GRACE_S = 1.0
-MEDIA_PART_TYPES = {"image_url": "images", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+# Content part type -> (vLLM's name of the modality, the word for it in messages).
+MEDIA_PART_TYPES = {
+    "image_url": ("image", "images"),
+    "input_audio": ("audio", "audio"),
+    "audio_url": ("audio", "audio"),
+    "video_url": ("video", "video"),
+}
+MEDIA_WORDS = dict(MEDIA_PART_TYPES.values())
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class VllmLocalEngine:
         self.dead = False
         self._request_ids = itertools.count()
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
+        self.modalities = _modalities(self.llm) if self.multimodal else frozenset()
         names = ParserNames(settings.reasoning_parser, settings.tool_parser)
         # vLLM's server reads GPT-OSS output as harmony channels; so do we.
         harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
@@ -168,6 +176,26 @@ class VllmLocalEngine:
 
     # -- prompts -------------------------------------------------------------------------------
 
+    def _prompt(self, req: EngineRequest) -> tuple[Any, list[int]]:
+        """What the engine is given for a row, and the prompt's token ids as the model sees them.
+
+        A chat row with media on a multimodal model goes through vLLM's own chat renderer: it
+        puts the model's placeholder for each image into the conversation, decodes the ``data:``
+        URLs the media stage left and runs the model's processor, whose expanded token ids (one
+        per image token) are what the row's usage and context room count. Every other row is
+        rendered and tokenised here.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
+            from vllm.renderers import ChatParams
+
+            kwargs = {**req.chat_template_kwargs, "add_generation_prompt": True, "tools": req.body.get("tools")}
+            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], ChatParams(chat_template_kwargs=kwargs))
+            return prompts[0], list(prompts[0]["prompt_token_ids"])
+        ids = self._prompt_ids(req)
+        return TokensPrompt(prompt_token_ids=ids), ids
+
     def _prompt_ids(self, req: EngineRequest) -> list[int]:
         if req.endpoint == "chat":
             messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
@@ -185,6 +213,27 @@ class VllmLocalEngine:
         text = req.body["prompt"] if req.endpoint == "completions" else _embedding_text(req.body["input"])
         return list(self.tokenizer.encode(text))
 
+    def _has_media(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
+        the model cannot read, as vLLM's own refusal would not name the part."""
+        found = False
+        for n, message in enumerate(messages):
+            content = message.get("content")
+            for p, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in MEDIA_PART_TYPES:
+                    continue
+                modality, word = MEDIA_PART_TYPES[kind]
+                if modality not in self.modalities:
+                    reads = " and ".join(MEDIA_WORDS[m] for m in sorted(self.modalities))
+                    raise RequestProblem(
+                        f"model '{self.model_name}' reads {reads} but cannot read {word}; "
+                        f"remove the part or run the job on a model that reads {word}",
+                        f"messages[{n}].content[{p}]",
+                    )
+                found = True
+        return found
+
     def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
         content = message.get("content")
         if not isinstance(content, list):
@@ -196,7 +245,7 @@ class VllmLocalEngine:
                 texts.append(str(part.get("text", "")))
             elif kind in MEDIA_PART_TYPES:
                 raise RequestProblem(
-                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind]}; "
+                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
                     "remove the part or run the job on a multimodal model",
                     f"messages[{n}].content[{p}]",
                 )
@@ -309,9 +358,9 @@ class VllmLocalEngine:
     def _start(self, req: EngineRequest, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
         """Hands one row to the engine, or records why it cannot run."""
         try:
-            ids = self._prompt_ids(req)
+            prompt, ids = self._prompt(req)
             params = self._sampling_params(req, len(ids))
-            self._send(_Flight(req, ids, params), ids, params, flights)
+            self._send(_Flight(req, ids, params), prompt, params, flights)
         except Exception as exc:
             done.append(self._refused(req, exc))
 
@@ -333,18 +382,17 @@ class VllmLocalEngine:
         cause = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
-    def _send(self, flight: _Flight, ids: list[int], params: Any, flights: dict[str, _Flight]) -> None:
+    def _send(self, flight: _Flight, prompt: Any, params: Any, flights: dict[str, _Flight]) -> None:
         """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
         engine (vLLM registers a request before it hands it to its engine process) and the error
         is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
         request_id = f"anex-{next(self._request_ids)}"
         engine = self.llm.llm_engine
         try:
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+            engine.add_request(request_id, prompt, params)
         except Exception as exc:
             if engine_gone(self.llm):
                 raise
@@ -404,7 +452,10 @@ class VllmLocalEngine:
         follow = params.clone()
         follow.max_tokens, follow.thinking_token_budget = left, None
         follow.min_tokens = max(0, follow.min_tokens - len(head))
-        self._send(flight, flight.prompt_ids + head, follow, flights)
+        # Rendered again rather than reused: an engine input is made for one request (a media
+        # row's may name its images by hash alone, for vLLM's processor cache to fill in).
+        prompt, _ = self._prompt(flight.req)
+        self._send(flight, {**prompt, "prompt_token_ids": flight.prompt_ids + head}, follow, flights)
         return True
 
     def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
@@ -533,6 +584,12 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
 def one_line(exc: BaseException) -> str:
     """An error's text on one line (vLLM's grammar errors point at the fault over several)."""
     return " ".join(str(exc).split())
+
+
+def _modalities(llm: Any) -> frozenset[str]:
+    """The kinds of media (vLLM's names: image, audio, video) a multimodal model reads."""
+    limits = llm.renderer.get_mm_processor().info.allowed_mm_limits
+    return frozenset(kind for kind, most in limits.items() if most > 0)
 
 
 def _embedding_text(value: Any) -> str:

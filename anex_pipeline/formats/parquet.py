@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from anex_pipeline.formats import InputRow, StoredOutcome, arrow_checkpoint
+from anex_pipeline.formats.images import image_part
 from anex_pipeline.spec import Endpoint, JobOptions, Problem, RowOutcome
 from anex_pipeline.validate import check_body
 
@@ -24,6 +25,7 @@ SHARD_FILE = "requests.arrow"
 # The merge hands write_results the checkpoints' answer columns, next to the input's own columns.
 MERGES_COLUMNS = True
 SHARD_COLUMNS = ("i", "key", "value")
+SHARD_IMAGE = "image"  # a fourth shard column when the job has an image_column
 # A prompt made only of what str.strip() removes (every such character is at most U+3000).
 _BLANK = "^[{}]*$".format("".join(f"\\x{{{c:x}}}" for c in range(0x3001) if chr(c).isspace()))
 PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
@@ -96,6 +98,28 @@ def prompt_column(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
     )
 
 
+def image_column_problem(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) -> Problem | None:
+    """Why the job's image_column cannot be used with this file, or None (also when it has none)."""
+    name = options.image_column
+    if name is None:
+        return None
+    if endpoint != "chat":
+        return Problem(f"an image goes with a chat prompt, but this is a {endpoint} job", field="image_column")
+    if name not in schema.names:
+        return Problem(f"column '{name}' is not in the file (columns: {', '.join(schema.names)})", field="image_column")
+    kind = schema.field(name).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_bytes(kind)):
+        return Problem(
+            f"column '{name}' holds {kind}; an image column holds URL strings or the images' bytes (binary)",
+            field="image_column",
+        )
+    return None
+
+
+def _is_bytes(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind)
+
+
 def result_columns(schema: pa.Schema, endpoint: Endpoint) -> list[str]:
     """The columns a job's result adds to the input's: ``row_index`` (when there is no ``id``), the
     answer (or embedding) and ``error_type``."""
@@ -133,18 +157,19 @@ def read_chunks(
         yield from exc.problems
         return
     taken = _taken_names(pf.schema_arrow, endpoint, column)
-    if taken:
-        yield from taken
+    image_problem = image_column_problem(pf.schema_arrow, endpoint, options)
+    if taken or image_problem:
+        yield from taken or [image_problem]
         return
     has_id = "id" in pf.schema_arrow.names
-    columns = [column] + (["id"] if has_id and column != "id" else [])
+    columns = list(dict.fromkeys([column] + (["id"] if has_id else []) + [options.image_column or column]))
     index = 0
     try:
         seen: dict[str, int] | None = None if not has_id or _ids_unique(pf) else {}
         for batch in _made_ahead(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
             values = batch.column(column)
             indices = pa.array(np.arange(index, index + batch.num_rows, dtype=np.int64))
-            if seen is None and _plain_and_sound(values, endpoint):
+            if seen is None and not options.image_column and _plain_and_sound(values, endpoint):
                 keys = (batch.column("id") if has_id else indices).cast(pa.string())
                 yield pa.RecordBatch.from_arrays([indices, keys, values], names=SHARD_COLUMNS)
             else:
@@ -184,9 +209,10 @@ def _checked_rows(
     """The row-by-row check of one batch: its problems, then a batch of its good rows."""
     prompts = batch.column(column).to_pylist()
     ids = batch.column("id").to_pylist() if has_id else [None] * len(prompts)
+    images = batch.column(options.image_column).to_pylist() if options.image_column else [None] * len(prompts)
     keep: list[int] = []
     keys: list[str] = []
-    for n, (prompt, row_id) in enumerate(zip(prompts, ids, strict=True)):
+    for n, (prompt, row_id, picture) in enumerate(zip(prompts, ids, images, strict=True)):
         number = offset + n + 1
         problems = []
         key = str(offset + n)
@@ -198,8 +224,13 @@ def _checked_rows(
                 problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id"))
             elif seen is not None:
                 seen[key] = number
-        found = _problems(prompt, request_body(prompt, endpoint, options), column, endpoint, model_names)
-        problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
+        try:
+            body = request_body(prompt, endpoint, options, picture)
+        except ValueError as exc:  # the image's bytes are of no image type
+            problems.append(Problem(str(exc), number, options.image_column))
+        else:
+            found = _problems(prompt, body, column, endpoint, model_names)
+            problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
         if problems:
             yield from problems
         else:
@@ -208,13 +239,20 @@ def _checked_rows(
     if keep:
         taken = batch.take(pa.array(keep, pa.int64()))
         indices = pa.array([offset + n for n in keep], pa.int64())
-        yield pa.RecordBatch.from_arrays(
-            [indices, pa.array(keys, pa.string()), taken.column(column)], names=SHARD_COLUMNS
-        )
+        arrays = [indices, pa.array(keys, pa.string()), taken.column(column)]
+        names = list(SHARD_COLUMNS)
+        if options.image_column:
+            arrays.append(taken.column(options.image_column))
+            names.append(SHARD_IMAGE)
+        yield pa.RecordBatch.from_arrays(arrays, names=names)
 
 
-def request_body(value: Any, endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
-    """The OpenAI request body of one row's prompt value, with the job's system prompt."""
+def request_body(
+    value: Any, endpoint: Endpoint, options: JobOptions, image: str | bytes | None = None
+) -> dict[str, Any]:
+    """The OpenAI request body of one row's prompt value, with the job's system prompt and the
+    row's image (from the image_column) added to its last message. Raises ValueError for image
+    bytes of no known image type."""
     if endpoint == "embeddings":
         return {"input": value}
     if endpoint == "completions":
@@ -225,9 +263,18 @@ def request_body(value: Any, endpoint: Endpoint, options: JobOptions) -> dict[st
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
     else:
         messages = value
+    if image is not None and isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        messages = [*messages[:-1], _with_image(messages[-1], image_part(image))]
     if options.system_prompt and isinstance(messages, list):
         messages = [{"role": "system", "content": options.system_prompt}, *messages]
     return {"messages": messages}
+
+
+def _with_image(message: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """The message with an image part after its content (text becomes a text part)."""
+    content = message.get("content")
+    parts = content if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
+    return {**message, "content": [*parts, part]}
 
 
 def _problems(
@@ -242,9 +289,10 @@ def _problems(
 
 def chunk_rows(chunk: pa.RecordBatch, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
     """The rows of a batch of shard rows, with their request bodies."""
-    columns = zip(*(chunk.column(name).to_pylist() for name in SHARD_COLUMNS), strict=True)
-    for index, key, value in columns:
-        yield InputRow(index=index, key=key, body=request_body(value, endpoint, options))
+    names = chunk.schema.names  # SHARD_COLUMNS, then SHARD_IMAGE when the job has an image column
+    columns = zip(*(chunk.column(name).to_pylist() for name in names), strict=True)
+    for index, key, value, *image in columns:
+        yield InputRow(index=index, key=key, body=request_body(value, endpoint, options, *image))
 
 
 class Staging:

@@ -86,10 +86,11 @@ class _Retry(Exception):
 
 @dataclass(frozen=True)
 class Cached:
-    """Fetched media: its type and size in bytes."""
+    """Fetched media: its type, size in bytes, and whether the cache had it already."""
 
     mime: str
     size: int
+    from_cache: bool = False
 
 
 @dataclass
@@ -222,7 +223,7 @@ class MediaFetcher:
         mime, *hops = (tag or "").split("\n")
         for hop in hops:
             self._check_destination(url, hop)
-        return Cached(mime, size)
+        return Cached(mime, size, from_cache=True)
 
     def _from_cache(self, url: str) -> Cached | None:
         found = self._lookup(url)

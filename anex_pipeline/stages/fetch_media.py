@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
@@ -55,7 +56,8 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
 
     Fetching stops when the job's time limit runs out; the media not fetched by then fail no row
     (generation then stops the job, as it does whenever the time is up). Returns the
-    materialization metadata: URLs seen, fetched, served from cache, failed by code, and bytes.
+    materialization metadata: URLs seen, fetched, served from cache, failed by code, the same
+    three counts per host (``by_host``: downloaded, from_cache, failed), and bytes.
     """
     started = time.monotonic()
     finished = job.finished_rows(shard)
@@ -70,6 +72,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
     urls = list(dict.fromkeys(ref.url for _, refs in rows for ref in refs if ref.remote))
     failures: list[RowOutcome] = []
     codes: Counter[str] = Counter()
+    by_host: dict[str, Counter[str]] = {}
     stats = FetchStats()
     media_bytes = out_of_time = 0
     if urls:
@@ -80,16 +83,19 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
             MediaFetcher(options, cache_dir, stop_at=stop_at, hold_uncached=False) as fetcher,
             ThreadPoolExecutor(TOTAL_CONNECTIONS) as pool,
         ):
-            for future in [pool.submit(fetcher.fetch, url) for url in urls]:
+            for url, future in [(url, pool.submit(fetcher.fetch, url)) for url in urls]:
                 error = future.exception()
+                host = by_host.setdefault(urlsplit(url).netloc, Counter(downloaded=0, from_cache=0, failed=0))
                 if isinstance(error, _OutOfTime):
                     out_of_time += 1
                 elif isinstance(error, MediaFetchError):
                     codes[str(error.status or "none")] += 1
+                    host["failed"] += 1
                 elif error is not None:
                     raise error
                 else:
                     media_bytes += future.result().size
+                    host["from_cache" if future.result().from_cache else "downloaded"] += 1
             if not out_of_time:
                 failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
             stats = fetcher.stats
@@ -107,6 +113,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
         "cache_problem": stats.cache_problem,
         "failed_urls": sum(codes.values()),
         "failed_by_code": dict(codes),
+        "by_host": {host: dict(counts) for host, counts in sorted(by_host.items())},
         "not_fetched_time_limit": out_of_time,
         "rows_failed": len(failures),
         "bytes": media_bytes,
