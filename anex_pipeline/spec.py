@@ -35,9 +35,6 @@ UNKNOWN_PARAMETER = "unknown_parameter"
 DUPLICATE_ID = "duplicate_custom_id"
 MODEL_NOT_FOUND = "model_not_found"
 
-# Shard partitions are static in Dagster, so there is a ceiling on how many a job may use.
-MAX_SHARDS = 16
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -74,7 +71,8 @@ class JobOptions(_Strict):
     parse_tool_calls: bool | None = None
     reasoning_parser: str | None = None
     tool_parser: str | None = None
-    shards: int | None = Field(default=None, ge=1, le=MAX_SHARDS)
+    shards: int | None = Field(default=None, ge=1)  # default: from the job's size (see stages.submit.shard_count)
+    shard_rows: int | None = Field(default=None, ge=1)  # or: at most this many rows per shard
     media: MediaOptions = Field(default_factory=MediaOptions)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)

@@ -405,6 +405,8 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
             problems.append(Problem(f"{msg} (options)", field=loc, code=pydantic_code(err["type"])))
         raise JobRejected(problems) from None
     _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
+    if options.shards is not None and options.shard_rows is not None:
+        raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
     found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
     if found:
         raise JobRejected(_as_options(found))
