@@ -22,6 +22,7 @@ from anex_pipeline.formats import (
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.spec import MAX_SHARDS, MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -46,10 +47,15 @@ def default_report_path(output: str) -> str:
     return output + ".report.json"
 
 
-def shard_ranges(total: int, requested: int | None) -> list[ShardRange]:
+def shard_ranges(total: int, requested: int | None, heads: Heads | None = None) -> list[ShardRange]:
+    """The job's shards; with ``heads`` (the starts of staged requests) cut where neighbouring
+    rows share the least prompt (:mod:`anex_pipeline.stages.shard_plan`), else evenly."""
     count = requested or math.ceil(total / ROWS_PER_SHARD)
     count = max(1, min(count, MAX_SHARDS, total))
-    bounds = [total * s // count for s in range(count + 1)]
+    if heads is not None and count > 1:
+        bounds = plan_bounds(total, count, heads)
+    else:
+        bounds = [total * s // count for s in range(count + 1)]
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
 
@@ -209,7 +215,7 @@ def prepare_job(
     if total == 0:
         staging.unlink(missing_ok=True)
         raise JobRejected([Problem(f"input file {input_path} has no rows")])
-    ranges = shard_ranges(total, options.shards)
+    ranges = shard_ranges(total, options.shards, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)
     staging.unlink()
     model_path, model_name = resolve_model(options.model, endpoint)
