@@ -14,7 +14,7 @@ import pytest
 
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.prefix_order import PrefixCache, prefix_order, shared_blocks
+from anex_pipeline.engine.prefix_order import PrefixCache, ordered, prefix_order, shared_blocks
 from anex_pipeline_tests import fakes
 from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
 
@@ -58,6 +58,20 @@ def test_file_order_is_kept_while_the_shared_prefixes_fit_in_half_the_cache() ->
 def test_a_prompt_that_cannot_be_rendered_goes_last() -> None:
     prompts: list[list[int] | None] = [None, [3] * 8 + [1], [4], [3] * 8 + [2]]
     assert prefix_order(prompts, SMALL) == [1, 3, 2, 0]
+
+
+def test_rows_are_ordered_window_by_window_and_stops_are_checked() -> None:
+    class Tokens:
+        prefix_cache = SMALL
+
+        def prompt_tokens(self, row: list[int]) -> list[int]:
+            return row
+
+    rows = [[d] * 8 + [q] for q in range(2) for d in range(2)] * 2  # two windows of 4 rows each
+    checks = []
+    ordered_rows = list(ordered(rows, Tokens(), lambda: checks.append(1), window=4))
+    assert [r[0] for r in ordered_rows] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert len(checks) == 2  # once per window (every 256 rows)
 
 
 class PrefixFakeEngine(fakes.FakeEngine):

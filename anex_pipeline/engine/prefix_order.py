@@ -92,13 +92,11 @@ def ordered(
     stop: Callable[[], None] | None = None,
     window: int = WINDOW_ROWS,
 ) -> Iterator[R]:
-    """The requests in prefix order, ``window`` rows at a time; file order when the engine has no
-    prefix cache or ordering would not help. ``stop`` is checked while the prompts are tokenised."""
+    """The requests in prefix order, ``window`` rows at a time (file order where ordering would not
+    help); the engine must have a prefix cache. ``stop`` is checked while prompts are tokenised."""
     cache = engine.prefix_cache
+    assert cache is not None
     source = iter(requests)
-    if cache is None:
-        yield from source
-        return
     while batch := list(itertools.islice(source, window)):
         prompts = []
         for n, req in enumerate(batch):
