@@ -90,6 +90,7 @@ class JobOptions(_Strict):
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
     reuse_answers: bool = True  # identical deterministic rows are generated once
     row_metadata: bool = True  # Parquet results carry each row's token counts and finish reason
+    prefix_order: bool = True  # rows sharing a long prompt prefix go to the engine together
     time_limit_s: float | None = Field(default=None, gt=0)
     prices: Prices | None = None
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
@@ -71,18 +72,21 @@ def run_peer(src: Path, out: Path, model: str) -> float:
     return _timed(command)[0]
 
 
-def run_ours(src: Path, out: Path, work: Path) -> tuple[float, dict]:
-    """Wall time and the job report (printed on stdout)."""
+def run_ours(
+    src: Path, out: Path, work: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> tuple[float, dict]:
+    """Wall time and the job report (printed on stdout); ``extra``: more flags for the command,
+    ``env``: more environment variables."""
     command = [
         str(Path(sys.executable).with_name("anex-pipeline")), "run", str(src), "-o", str(out),
-        "--max-model-len", "2048", "--work-dir", str(work), "--quiet",
+        "--max-model-len", "2048", "--work-dir", str(work), "--quiet", *extra,
     ]  # fmt: skip
-    seconds, stdout = _timed(command)
+    seconds, stdout = _timed(command, env)
     return seconds, json.loads(stdout)
 
 
-def _timed(command: list[str]) -> tuple[float, str]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+def _timed(command: list[str], more_env: dict[str, str] | None = None) -> tuple[float, str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(more_env or {})}
     started = time.perf_counter()
     done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     return time.perf_counter() - started, done.stdout

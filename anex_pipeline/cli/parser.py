@@ -33,6 +33,7 @@ BOOL_FLAGS = [
     ("--reasoning", "reasoning"),
     ("--parse-thinking", "parse_thinking"),
     ("--parse-tool-calls", "parse_tool_calls"),
+    ("--prefix-order", "prefix_order"),
 ]
 
 
@@ -65,6 +66,8 @@ BOOL_HELP: dict[str, str] = {
     "reasoning": "switch thinking on or off for models that have it (default: the model's own)",
     "parse_thinking": "put the thinking trace in message.reasoning_content (default: on where the model has a parser)",
     "parse_tool_calls": "put tool calls in message.tool_calls (default: on where the model has a parser)",
+    "prefix_order": "send rows that share a long prompt prefix to the engine together (default: on; "
+    "--no-prefix-order keeps file order)",
 }
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from anex_pipeline.engine import prefix_order
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
@@ -40,6 +42,8 @@ class EngineRequest:
     parse_tool_calls: bool = True
     # A /v1/responses row, run as chat: its request as written, from which its answer is built.
     respond: dict[str, Any] | None = None
+    # The rendered prompt's tokens, when an engine made them ahead of sending (to order rows).
+    prompt_ids: array[int] | None = None
 
     @property
     def constrained(self) -> bool:
@@ -127,6 +131,7 @@ def stream_checked(
     requests: Iterable[EngineRequest],
     group_rows: int,
     stop: StopCheck | None = None,
+    order: bool = False,
 ) -> Iterator[list[RowOutcome]]:
     """Runs the requests and yields their checked outcomes as they finish.
 
@@ -134,7 +139,9 @@ def stream_checked(
     ``group_rows`` of them at a time, so the batch never drains) and hands back the rows that
     each of its steps finished; any other engine runs ``group_rows`` rows at a time. ``stop`` is
     checked per engine step. Closing the generator early, or a stop, lets the engine drop the rows
-    still in flight. The engine is asked for only once there is a request for it.
+    still in flight. The engine is asked for only once there is a request for it. With
+    ``order``, an engine that has a prefix cache gets rows sharing a prompt prefix together
+    (:mod:`anex_pipeline.engine.prefix_order`).
     """
     asked: dict[int, EngineRequest] = {}
     pending = iter(requests)
@@ -150,11 +157,11 @@ def stream_checked(
     engine = engine_for()
     if stop is not None:
         stop()  # a stop that came while the engine loaded
+    feed = recorded()
+    if order and getattr(engine, "prefix_cache", None) is not None:
+        feed = prefix_order.ordered(feed, engine, stop)  # type: ignore[arg-type]
     stream = getattr(engine, "stream", None)
-    if stream is not None:
-        groups = stream(recorded(), group_rows, stop)
-    else:
-        groups = in_groups(engine.run, recorded(), group_rows, stop)
+    groups = stream(feed, group_rows, stop) if stream is not None else in_groups(engine.run, feed, group_rows, stop)
     try:
         for group in groups:
             yield [checked(o, asked.pop(o.index)) for o in group]

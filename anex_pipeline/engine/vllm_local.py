@@ -23,11 +23,13 @@ import gc
 import itertools
 import logging
 import os
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from anex_pipeline.engine import cpu_preload
 from anex_pipeline.engine.base import (
     EngineRequest,
     StopCheck,
@@ -47,6 +49,7 @@ from anex_pipeline.engine.parsing import (
     count_thinking_tokens,
     thinking_tags,
 )
+from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
@@ -133,6 +136,7 @@ class VllmLocalEngine:
         on_cpu = _cpu_build()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+            cpu_preload.preload()
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
@@ -161,6 +165,7 @@ class VllmLocalEngine:
         harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
         self.parser = OutputParser(self.tokenizer, names, harmony=harmony)
         self.keep_special_tokens = names != ParserNames()
+        self.prefix_cache = _prefix_cache(self.llm) if settings.runner == "generate" else None
         self.thinking: ThinkingIds | None = None
         if tags is not None:
             ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
@@ -176,6 +181,17 @@ class VllmLocalEngine:
         gc.collect()
 
     # -- prompts -------------------------------------------------------------------------------
+
+    def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
+        """The tokens of the row's rendered prompt, kept on the request (4 bytes a token) until it
+        is sent; None when the row cannot be rendered (sending it refuses it with the reason)."""
+        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
+            return None  # vLLM's renderer makes its tokens when it is sent
+        try:
+            req.prompt_ids = array("i", self._prompt_ids(req))
+        except Exception:
+            return None
+        return req.prompt_ids
 
     def _prompt(self, req: EngineRequest) -> tuple[Any, list[int]]:
         """What the engine is given for a row, and the prompt's token ids as the model sees them.
@@ -198,6 +214,9 @@ class VllmLocalEngine:
         return TokensPrompt(prompt_token_ids=ids), ids
 
     def _prompt_ids(self, req: EngineRequest) -> list[int]:
+        if req.prompt_ids is not None:  # rendered ahead to order the rows: handed over once
+            ids, req.prompt_ids = req.prompt_ids.tolist(), None
+            return ids
         if req.endpoint == "chat":
             messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
             try:
@@ -603,6 +622,14 @@ def _modalities(llm: Any) -> frozenset[str]:
 
 def _embedding_text(value: Any) -> str:
     return value[0] if isinstance(value, list) else value
+
+
+def _prefix_cache(llm: Any) -> PrefixCache | None:
+    """The loaded engine's prefix cache: its block size and how many tokens its KV cache holds."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    if not cache.enable_prefix_caching or not cache.num_gpu_blocks:
+        return None
+    return PrefixCache(block_tokens=cache.block_size, capacity_tokens=cache.num_gpu_blocks * cache.block_size)
 
 
 def _cpu_build() -> bool:

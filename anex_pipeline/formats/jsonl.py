@@ -3,6 +3,8 @@ JSON lines ``{"i", "key", "body"}``."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import re
 from array import array
@@ -340,13 +342,29 @@ class Staging:
     """Every accepted row's shard line in one file, until the job knows how to cut it into shards."""
 
     def __init__(self, path: Path):
+        self.path = path
         self.file = path.open("wb")
+        self.rows = 0
+        self.chunks: list[tuple[int, int]] = []  # (first row, byte offset) of each chunk added
 
     def add(self, chunk: list[bytes]) -> None:
+        self.chunks.append((self.rows, self.file.tell()))
+        self.rows += len(chunk)
         self.file.write(b"".join(chunk))
 
     def close(self) -> None:
         self.file.close()
+
+    def heads(self, windows: list[tuple[int, int]], size: int) -> list[list[bytes]]:
+        """The first ``size`` bytes of the request body of each row in each (start, stop) window."""
+        found = []
+        with self.path.open("rb") as f:
+            for start, stop in windows:
+                first, offset = self.chunks[bisect.bisect_right(self.chunks, (start, 1 << 62)) - 1]
+                f.seek(offset)
+                lines = itertools.islice(f, start - first, stop - first)
+                found.append([line[line.index(b',"body":') + 8 :][:size] for line in lines])
+        return found
 
 
 def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:

@@ -3,6 +3,7 @@ IPC files of the prompt values."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -333,6 +334,21 @@ class Staging:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def heads(self, windows: list[tuple[int, int]], size: int) -> list[list[str]]:
+        """The first ``size`` characters of the prompt of each row in each (start, stop) window (a
+        structured prompt as its JSON text), read in one pass over the staged rows."""
+        found: list[list[str]] = [[] for _ in windows]
+        with pa.OSFile(str(self.path)) as source, pa.ipc.open_stream(source) as reader:
+            first = 0
+            for batch in reader:
+                for w, (start, stop) in enumerate(windows):
+                    lo, hi = max(start, first), min(stop, first + batch.num_rows)
+                    if lo < hi:
+                        values = batch.column("value").slice(lo - first, hi - lo).to_pylist()
+                        found[w] += [(v if isinstance(v, str) else json.dumps(v))[:size] for v in values]
+                first += batch.num_rows
+        return found
 
 
 def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:

@@ -111,7 +111,8 @@ def run_shard(
 
     unsaved: list[RowOutcome] = []  # finished rows waiting for the next checkpoint write
     try:
-        with closing(stream_checked(engine, feed.requests, group_rows, stop)) as finishing:
+        ordered = stream_checked(engine, feed.requests, group_rows, stop, order=options.prefix_order)
+        with closing(ordered) as finishing:
             for rows in itertools.chain(finishing, [[]]):  # the empty list delivers what is left
                 outcomes = feed.delivered(rows)
                 if not outcomes:

@@ -22,6 +22,7 @@ from anex_pipeline.formats import (
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -65,9 +66,14 @@ def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
     return max(1, min(count, total))
 
 
-def shard_ranges(total: int, count: int) -> list[ShardRange]:
-    """``count`` contiguous slices of ``total`` rows whose sizes differ by one at most."""
-    bounds = [total * s // count for s in range(count + 1)]
+def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[ShardRange]:
+    """``count`` contiguous slices of ``total`` rows; with ``heads`` (the starts of staged
+    requests) cut where neighbouring rows share the least prompt
+    (:mod:`anex_pipeline.stages.shard_plan`), else evenly (sizes differ by one at most)."""
+    if heads is not None and count > 1:
+        bounds = plan_bounds(total, count, heads)
+    else:
+        bounds = [total * s // count for s in range(count + 1)]
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
 
@@ -227,7 +233,8 @@ def prepare_job(
     if total == 0:
         staging.unlink(missing_ok=True)
         raise JobRejected([Problem(f"input file {input_path} has no rows")])
-    ranges = shard_ranges(total, shard_count(total, staging.stat().st_size, options))
+    count = shard_count(total, staging.stat().st_size, options)
+    ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)
     staging.unlink()
     model_path, model_name = resolve_model(options.model, endpoint)
