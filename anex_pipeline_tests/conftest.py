@@ -85,5 +85,13 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-idefics3")
 
 
+@pytest.fixture(scope="session")
+def audio_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random audio-language model (see tiny_models.py), built once per test session."""
+    from anex_pipeline_tests.tiny_models import build_tiny_audio_model
+
+    return build_tiny_audio_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-audio")
+
+
 def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:
     return runner.run(runner.submit(str(src), str(out), options or {}))

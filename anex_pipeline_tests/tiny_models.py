@@ -1,5 +1,5 @@
 """Tiny random models built offline, for tests that need a reasoning or tool-calling model format,
-or a model that reads images (:func:`build_tiny_vision_model`).
+or a model that reads images (:func:`build_tiny_vision_model`) or sounds (:func:`build_tiny_audio_model`).
 
 The weights are random, so the generated text is noise; what matters is that the tokenizer knows
 every model family's special tokens (so vLLM's parsers find them in the vocabulary) and that the
@@ -83,6 +83,9 @@ VISION_IMAGE_SIZE = 112
 VISION_PATCH = 14
 VISION_SCALE = 2  # the connector merges VISION_SCALE**2 patches into one token
 VISION_IMAGE_TOKENS = (VISION_IMAGE_SIZE // VISION_PATCH) ** 2 // VISION_SCALE**2
+AUDIO_TOKEN = "<|AUDIO|>"
+AUDIO_TOKENS = ("<|audio_bos|>", AUDIO_TOKEN, "<|audio_eos|>")  # Qwen2-Audio's markers around a sound
+AUDIO_RATE = 16000  # the feature extractor's sampling rate: sounds at this rate need no resampling
 
 
 def build_tokenizer(folder: Path, extra_special: tuple[str, ...] = ()) -> Any:
@@ -195,6 +198,55 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
         image_processor=images, tokenizer=tokenizer, image_seq_len=VISION_IMAGE_TOKENS, chat_template=CHAT_TEMPLATE
     )
     processor.save_pretrained(folder)
+    return folder
+
+
+def build_tiny_audio_model(folder: Path, *, seed: int = 0) -> Path:
+    """A random Qwen2-Audio (a 2-layer Whisper-style audio encoder, a linear projector and a
+    2-layer Qwen2) with its real processor (Whisper's feature extractor: 128 mel bins at 16 kHz)
+    and the tokenizer above plus Qwen2-Audio's audio tokens, saved as a folder vLLM can load.
+
+    Qwen2-Audio rather than Ultravox: every part of it is in transformers, while Ultravox's
+    processor is remote code. A sound becomes one mel frame per 10 ms, which the encoder's strided
+    convolution and then its pooling each halve (0.5 s: 50 frames, 25, then 12 audio tokens,
+    between its marker tokens).
+    """
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        Qwen2Config,
+        WhisperFeatureExtractor,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder, extra_special=AUDIO_TOKENS)
+    text = Qwen2Config(**decoder_fields(tokenizer), tie_word_embeddings=False)
+    audio = Qwen2AudioEncoderConfig(
+        d_model=HIDDEN,
+        encoder_layers=2,
+        encoder_attention_heads=HIDDEN // HEAD_DIM,
+        encoder_ffn_dim=2 * HIDDEN,
+        num_mel_bins=128,
+    )
+    config = Qwen2AudioConfig(
+        audio_config=audio.to_dict(),
+        text_config=text.to_dict(),
+        audio_token_index=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2AudioForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    model.save_pretrained(folder)
+    sounds = WhisperFeatureExtractor(feature_size=128, sampling_rate=AUDIO_RATE)
+    Qwen2AudioProcessor(feature_extractor=sounds, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(
+        folder
+    )
     return folder
 
 
