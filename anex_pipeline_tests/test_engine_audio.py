@@ -109,8 +109,6 @@ def test_sounds_inline_and_by_url_reach_the_model(
     report = run_job(real_runner, src, out, options)
 
     lines = answers(out)
-    for cid, line in lines.items():
-        print(cid, line["error"], line["response"]["body"] and line["response"]["body"].get("usage"))
     assert (report.request_counts.completed, report.request_counts.failed) == (7, 4)
     for cid, sounds in {"low": [low], "high": [high], "low-and-high": [low, high], "text": []}.items():
         total, audio_tokens = expected_prompt_tokens(audio_model, sounds)
@@ -125,4 +123,8 @@ def test_sounds_inline_and_by_url_reach_the_model(
         error = lines[cid]["error"]
         assert lines[cid]["response"]["status_code"] == 400 and error["type"] == "invalid_request_error"
         assert error["param"] == "messages[0].content[1]", cid
-    assert "reads audio but cannot read images" in lines["picture"]["error"]["message"]
+    messages = {cid: lines[cid]["error"]["message"] for cid in ("broken", "not-base64", "picture", "8khz")}
+    assert "input_audio data is not a readable sound (Format not recognised)" in messages["broken"]
+    assert messages["not-base64"] == "the input_audio data is not valid base64"
+    assert "reads audio but cannot read images" in messages["picture"]
+    assert "sampled at 8000 Hz but the model reads 16000 Hz" in messages["8khz"]

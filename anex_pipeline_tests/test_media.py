@@ -69,7 +69,9 @@ def tone_wav(hz: int, rate: int = 16000, seconds: float = 0.5) -> bytes:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(rate)
-        w.writeframes(b"".join(struct.pack("<h", 8000 if i % period < period // 2 else -8000) for i in range(int(rate * seconds))))
+        w.writeframes(
+            b"".join(struct.pack("<h", 8000 if i % period < period // 2 else -8000) for i in range(int(rate * seconds)))
+        )
     return out.getvalue()
 
 

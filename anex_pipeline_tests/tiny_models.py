@@ -243,11 +243,23 @@ def build_tiny_audio_model(folder: Path, *, seed: int = 0) -> Path:
     model = Qwen2AudioForConditionalGeneration(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
     model.save_pretrained(folder)
+    _undouble_language_model_keys(folder / "model.safetensors")
     sounds = WhisperFeatureExtractor(feature_size=128, sampling_rate=AUDIO_RATE)
     Qwen2AudioProcessor(feature_extractor=sounds, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(
         folder
     )
     return folder
+
+
+def _undouble_language_model_keys(weights: Path) -> None:
+    """transformers 5 saves Qwen2-Audio's decoder as ``language_model.model.model.*`` (its
+    renaming to the new layout, undone twice on the way out); vLLM and the published checkpoints
+    name it ``language_model.model.*``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    renamed = {k.replace("language_model.model.model.", "language_model.model.", 1): v for k, v in tensors.items()}
+    save_file(renamed, weights, metadata={"format": "pt"})
 
 
 def write_config(folder: Path, **fields: object) -> Path:
