@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import wave
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
 from anex_pipeline_tests.test_engine_vision import answers, media_metadata, text_of
 from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for, tone_wav
 from anex_pipeline_tests.tiny_models import AUDIO_RATE, AUDIO_TOKEN, AUDIO_TOKENS
@@ -30,22 +29,8 @@ QUESTION = "What do you hear?"
 LOW, HIGH = 250, 2000  # Hz
 
 
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MediaServer]:
-    """A loopback media server (it serves /tone/<hz>.wav), and a media cache of the test's own."""
-    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
-    s = MediaServer()
-    yield s
-    s.close()
-
-
 def audio_row(cid: str, *parts: dict[str, Any]) -> dict[str, Any]:
-    content = [{"type": "text", "text": QUESTION}, *parts]
-    return {
-        "custom_id": cid,
-        "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": content}]},
-    }
+    return chat_row(cid, [{"type": "text", "text": QUESTION}, *parts])
 
 
 def sound(data: bytes | str, fmt: str = "wav") -> dict[str, Any]:
@@ -79,10 +64,10 @@ def expected_prompt_tokens(model: Path, sounds: list[bytes]) -> tuple[int, int]:
 
 
 def test_sounds_inline_and_by_url_reach_the_model(
-    tmp_path: Path, real_runner: JobRunner, audio_model: Path, server: MediaServer
+    tmp_path: Path, real_runner: JobRunner, audio_model: Path, media_server: MediaServer
 ) -> None:
     low, high = tone_wav(LOW), tone_wav(HIGH)
-    low_url = server.url(f"/tone/{LOW}.wav")
+    low_url = media_server.url(f"/tone/{LOW}.wav")
     rows = [
         audio_row("low", sound(low)),
         audio_row("low-again", sound(low)),
@@ -103,7 +88,7 @@ def test_sounds_inline_and_by_url_reach_the_model(
         "max_tokens": 16,
         "temperature": 0,
         "reuse_answers": False,  # identical rows must each be generated
-        "media": {"allowed_hosts": [f"127.0.0.1:{server.port}"]},
+        "media": {"allowed_hosts": [f"127.0.0.1:{media_server.port}"]},
     }
 
     report = run_job(real_runner, src, out, options)
@@ -117,7 +102,7 @@ def test_sounds_inline_and_by_url_reach_the_model(
     same = {text_of(lines[c]) for c in ("low", "low-again", "low-audio-url", "low-input-audio-url")}
     assert len(same) == 1
     assert len({text_of(lines[c]) for c in ("low", "high", "low-and-high", "text")}) == 4
-    assert server.hits[f"/tone/{LOW}.wav"] == 1  # one download for both URL rows
+    assert media_server.hits[f"/tone/{LOW}.wav"] == 1  # one download for both URL rows
     assert media_metadata(real_runner)["fetched"] == 1
     for cid in ("broken", "not-base64", "picture", "8khz"):
         error = lines[cid]["error"]
