@@ -1,10 +1,11 @@
 """The request body fields each endpoint accepts: one declaration that the submit check, the
 request resolution (which fields go to the sampler) and the job's sampling defaults all read.
 
-The fields mirror what vLLM's OpenAI-compatible chat, completions and embeddings requests take
-and what the engines here pass on; a field outside this table is refused at submit, with the
-nearest known name. Kept as plain data: importing vLLM's own request models takes seconds, and
-the check runs for every row, so it is a dictionary look-up and a type test per field.
+The fields mirror what vLLM's OpenAI-compatible chat, completions, embeddings and responses
+requests take and what the engines here pass on (a responses row runs as the chat row it
+means); a field outside this table is refused at submit, with the nearest known name. Kept as
+plain data: importing vLLM's own request models takes seconds, and the check runs for every
+row, so it is a dictionary look-up and a type test per field.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
-GENERATION = frozenset({CHAT, COMPLETIONS})
-ALL = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = "chat", "completions", "embeddings", "responses"
+GENERATION = frozenset({CHAT, COMPLETIONS, RESPONSES})
+CHAT_AND_COMPLETIONS = frozenset({CHAT, COMPLETIONS})  # fields a responses request names otherwise
+ALL = frozenset({CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES})
 
 NUMBER = (int, float)  # a JSON number (true and false are not numbers here)
 OWN_CHECK = ()  # a field that validate.check_body checks by itself, more closely
@@ -49,7 +51,8 @@ BODY_FIELDS: dict[str, BodyField] = {
     "model": BodyField(OWN_CHECK, ALL),
     "messages": BodyField(OWN_CHECK, frozenset({CHAT})),
     "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS})),
-    "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS})),
+    "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS, RESPONSES})),
+    "instructions": BodyField((str,), frozenset({RESPONSES})),
     # sampling, handed to the engine's sampler
     "temperature": BodyField(NUMBER, sampling=True, low=0, high=2),
     "top_p": BodyField(NUMBER, sampling=True, low=0, high=1, low_open=True),
@@ -67,15 +70,17 @@ BODY_FIELDS: dict[str, BodyField] = {
     "skip_special_tokens": BodyField((bool,), sampling=True),
     "logit_bias": BodyField((dict,), sampling=True),
     # lengths, output shape and the envelope
-    "max_tokens": BodyField((int,)),
-    "max_completion_tokens": BodyField((int,)),
+    "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "max_output_tokens": BodyField((int,), frozenset({RESPONSES})),
     "thinking_token_budget": BodyField((int,)),
-    "response_format": BodyField(OWN_CHECK),
-    "n": BodyField(OWN_CHECK),
+    "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
+    "text": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its format is chat's response_format
+    "n": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
     "stream": BodyField((bool,)),
-    "stream_options": BodyField((dict,)),
-    "logprobs": BodyField((bool, int)),
-    "top_logprobs": BodyField((int,)),
+    "stream_options": BodyField((dict,), CHAT_AND_COMPLETIONS),
+    "logprobs": BodyField((bool, int), CHAT_AND_COMPLETIONS),
+    "top_logprobs": BodyField((int,), CHAT_AND_COMPLETIONS),
     "user": BodyField((str,), ALL),
     "metadata": BodyField((dict,)),
     "store": BodyField((bool,)),
@@ -86,10 +91,24 @@ BODY_FIELDS: dict[str, BodyField] = {
     "parallel_tool_calls": BodyField((bool,), frozenset({CHAT})),
     "chat_template_kwargs": BodyField(OWN_CHECK, frozenset({CHAT})),
     "reasoning_effort": BodyField((str,), frozenset({CHAT})),
+    "reasoning": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its effort maps onto thinking
     # embeddings only
     "encoding_format": BodyField((str,), frozenset({EMBEDDINGS})),
     "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
 }
+
+# The field that holds each endpoint's prompt: what an error about the prompt names.
+PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt", EMBEDDINGS: "input", RESPONSES: "input"}
+# Chat request fields a responses request names otherwise (the names its errors and hints use).
+RESPONSES_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+# The fields by which a row caps its answer's length, the first one set winning.
+CAP_FIELDS = ("max_completion_tokens", "max_tokens")
 
 SAMPLING_FIELDS = frozenset(name for name, f in BODY_FIELDS.items() if f.sampling)
 NON_SAMPLING_FIELDS = frozenset(BODY_FIELDS) - SAMPLING_FIELDS
@@ -105,6 +124,8 @@ def fields_of(endpoint: str) -> dict[str, BodyField]:
 def unknown_field(name: str, endpoint: str) -> str:
     """The message for a body field the endpoint does not take, with the nearest known name."""
     close = difflib.get_close_matches(name, _NAMES[endpoint], n=1)
+    if endpoint == RESPONSES and name in RESPONSES_NAMES:
+        close = [RESPONSES_NAMES[name]]
     hint = f"did you mean '{close[0]}'?" if close else "remove it"
     elsewhere = [e for e in sorted(ALL) if name in _BY_ENDPOINT[e]]
     if elsewhere:

@@ -1,11 +1,11 @@
 """Keeping what jobs leave behind in check: list the jobs of a work root, delete one, prune old ones.
 
 A job leaves a work folder (shards, checkpoints, its report) and, in the Dagster instance, a key
-of the ``jobs`` dynamic partition with the runs and materializations of its steps. Deleting a job
-removes all three; the result file it delivered is never touched. Open-source Dagster cannot wipe
-the materializations of single partitions, so they go with the job's runs (deleting a run deletes
-its events). A job is running while a process holds its lease or a run of it is in flight; it is
-then never deleted.
+of the ``jobs`` dynamic partition and one ``shards`` key per shard, with the runs and
+materializations of its steps. Deleting a job removes all three; the result file it delivered is
+never touched. Open-source Dagster cannot wipe the materializations of single partitions, so they
+go with the job's runs (deleting a run deletes its events). A job is running while a process holds
+its lease or a run of it is in flight; it is then never deleted.
 
 Pruning also removes the Batch API's expired files, and the job of a finished batch once every
 file the batch delivered is gone.
@@ -25,7 +25,7 @@ import dagster as dg
 
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.partitions import forget_job, shard_keys_on
 from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
 from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir.lease import driven_by_cli, try_lease
@@ -122,9 +122,11 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
             f"job {job.job_id} is being run by an anex-pipeline process; stop it (Ctrl-C) or wait for it to end"
         )
     try:
-        for run in runs_of_job(instance, job.job_id):
+        count = len(job.manifest().shards) if job.exists() else None
+        known = count if count is not None else len(shard_keys_on(instance, job.job_id))
+        for run in runs_of_job(instance, job.job_id, known):
             instance.delete_run(run.run_id)
-        instance.delete_dynamic_partition(JOBS, job.job_id)
+        forget_job(instance, job.job_id, count)
         if job.root.exists():
             shutil.rmtree(job.root)
     finally:

@@ -20,7 +20,7 @@ import dagster as dg
 
 from anex_pipeline.engine import release_engines
 from anex_pipeline.orchestration.definitions import build_definitions
-from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
+from anex_pipeline.orchestration.partitions import job_shard_key, register_job
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, step_error_message
 from anex_pipeline.spec import JobReport
@@ -153,9 +153,9 @@ class JobRunner:
         threading.Thread(target=load, name="anex-engine-load", daemon=True).start()
 
     def _register(self, job: JobDir) -> None:
-        """Adds the job's partition to this instance (a job's folder may outlive an instance)."""
-        if not self.instance.has_dynamic_partition(JOBS, job.job_id):
-            self.instance.add_dynamic_partitions(JOBS, [job.job_id])
+        """Adds the job's partition keys to this instance (a job's folder may outlive an instance,
+        and a job prepared before shards had keys of their own gets them here)."""
+        register_job(self.instance, job.job_id, len(job.manifest().shards))
 
     def unfinished_shards(self, job: JobDir) -> list[int]:
         """Shards with rows that are missing from their checkpoint or failed."""

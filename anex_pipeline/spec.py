@@ -13,17 +13,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
-Endpoint = Literal["chat", "completions", "embeddings"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
 }
 URL_BY_ENDPOINT: dict[Endpoint, str] = {v: k for k, v in ENDPOINT_BY_URL.items()}
 
-# Shard partitions are static in Dagster, so there is a ceiling on how many a job may use.
-MAX_SHARDS = 16
+# The error code of a row whose prompt, or prompt and max_tokens together, do not fit the model's
+# context, as OpenAI names it.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# OpenAI's codes for what is wrong with a request, which the Batch API gives each problem it lists.
+INVALID_JSON = "invalid_json"
+MISSING_PARAMETER = "missing_required_parameter"
+INVALID_TYPE = "invalid_type"
+INVALID_VALUE = "invalid_value"
+UNKNOWN_PARAMETER = "unknown_parameter"
+DUPLICATE_ID = "duplicate_custom_id"
+MODEL_NOT_FOUND = "model_not_found"
 
 
 class _Strict(BaseModel):
@@ -61,7 +71,8 @@ class JobOptions(_Strict):
     parse_tool_calls: bool | None = None
     reasoning_parser: str | None = None
     tool_parser: str | None = None
-    shards: int | None = Field(default=None, ge=1, le=MAX_SHARDS)
+    shards: int | None = Field(default=None, ge=1)  # default: from the job's size (see stages.submit.shard_count)
+    shard_rows: int | None = Field(default=None, ge=1)  # or: at most this many rows per shard
     media: MediaOptions = Field(default_factory=MediaOptions)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -78,6 +89,7 @@ class JobOptions(_Strict):
     estimate_seed: int = 0
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
     reuse_answers: bool = True  # identical deterministic rows are generated once
+    row_metadata: bool = True  # Parquet results carry each row's token counts and finish reason
     time_limit_s: float | None = Field(default=None, gt=0)
     prices: Prices | None = None
 
@@ -97,6 +109,7 @@ class Problem:
     message: str
     line: int | None = None  # 1-based line (JSONL) or row (Parquet); None for job-level problems
     field: str | None = None
+    code: str = INVALID_VALUE  # OpenAI's name for the kind of problem (the Batch API shows it)
 
     def __str__(self) -> str:
         where = []
@@ -122,6 +135,13 @@ class JobRejected(Exception):
         if self.total > len(shown):
             lines.append(f"  ... and {self.total - len(shown)} more")
         return "\n".join(lines)
+
+
+def error_kind(error_type: str, code: Any) -> str:
+    """What a failed row is counted as (the report's error counts, Parquet's ``error_type``): the
+    error's code when it names the reason (``context_length_exceeded``), else the error's type (a
+    number as code, such as a media host's HTTP status, is no reason of its own)."""
+    return code if isinstance(code, str) and code else error_type
 
 
 @dataclass
@@ -158,7 +178,7 @@ class RowOutcome:
 
     @property
     def error_type(self) -> str | None:
-        return self.error.type if self.error is not None else self.completion_flag
+        return error_kind(self.error.type, self.error.code) if self.error is not None else self.completion_flag
 
     def to_record(self) -> dict[str, Any]:
         return {

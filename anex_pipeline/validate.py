@@ -10,14 +10,36 @@ import difflib
 import json
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
-from anex_pipeline.spec import Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
+from anex_pipeline.spec import (
+    INVALID_TYPE,
+    INVALID_VALUE,
+    MISSING_PARAMETER,
+    UNKNOWN_PARAMETER,
+    Endpoint,
+    JobOptions,
+    JobRejected,
+    Problem,
+)
 
-FieldProblem = tuple[str, str]
+
+class FieldProblem(NamedTuple):
+    """One thing wrong with a field: where, what, and OpenAI's code for that kind of problem."""
+
+    field: str
+    message: str
+    code: str = INVALID_VALUE
+
+
+def wrong_kind(where: str, value: Any, message: str) -> FieldProblem:
+    """A field of the wrong kind: a missing one (``None``) is a missing parameter."""
+    return FieldProblem(where, message, MISSING_PARAMETER if value is None else INVALID_TYPE)
+
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -37,6 +59,7 @@ INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
     "max_tokens": (1, INT32_MAX),
     "max_completion_tokens": (1, INT32_MAX),
+    "max_output_tokens": (1, INT32_MAX),
     "min_tokens": (0, INT32_MAX),
     "top_k": (-1, INT32_MAX),
     "reasoning_budget": (0, INT32_MAX),
@@ -60,52 +83,63 @@ NUMBER_FIELDS = frozenset(
 )
 
 
+def _check_format_type(fmt: Any, where: str) -> list[FieldProblem]:
+    """The outer shape of a structured-output format: an object of one of the known types."""
+    if not isinstance(fmt, dict):
+        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {_kind(fmt)}')]
+    if fmt.get("type") not in RESPONSE_FORMAT_TYPES:
+        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
+        return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(fmt.get('type'))}")]
+    return []
+
+
 def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
     """Structural check of a response_format: the type, and the nested json_schema.schema object."""
-    if not isinstance(rf, dict):
-        return [(where, f'must be an object like {{"type": "json_object"}}, got {_kind(rf)}')]
-    kind = rf.get("type")
-    if kind not in RESPONSE_FORMAT_TYPES:
-        allowed = ", ".join(RESPONSE_FORMAT_TYPES)
-        return [(f"{where}.type", f"must be one of {allowed}; got {json.dumps(kind)}")]
+    if found := _check_format_type(rf, where):
+        return found
+    kind = rf["type"]
     spec = rf.get("json_schema")
     if kind != "json_schema":
         if spec is not None:
-            return [(f"{where}.json_schema", f"is only allowed with type 'json_schema', not '{kind}'")]
+            return [FieldProblem(f"{where}.json_schema", f"is only allowed with type 'json_schema', not '{kind}'")]
         return []
     if not isinstance(spec, dict):
         return [
-            (
+            wrong_kind(
                 f"{where}.json_schema",
+                spec,
                 'is required for type \'json_schema\' and must be an object {"name": ..., "schema": {...}}',
             )
         ]
     if not isinstance(spec.get("schema"), dict):
         return [
-            (
+            wrong_kind(
                 f"{where}.json_schema.schema",
+                spec.get("schema"),
                 "must be a JSON Schema object; the schema sits one level down, at "
                 f"json_schema.schema (got {_kind(spec.get('schema'))})",
             )
         ]
     name = spec.get("name")
     if name is not None and not isinstance(name, str):
-        return [(f"{where}.json_schema.name", "must be a string")]
+        return [FieldProblem(f"{where}.json_schema.name", "must be a string", INVALID_TYPE)]
     return []
 
 
 def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> list[FieldProblem]:
     """Checks a request body for what the pipeline needs before anything runs."""
     if not isinstance(body, dict):
-        return [("body", f"must be an object with the request, got {_kind(body)}")]
+        return [wrong_kind("body", body, f"must be an object with the request, got {_kind(body)}")]
     problems: list[FieldProblem] = []
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        problems.append(("body.model", f"must be the model's name as a string, got {_kind(model)}"))
+        problems.append(
+            FieldProblem("body.model", f"must be the model's name as a string, got {_kind(model)}", INVALID_TYPE)
+        )
     elif model is not None and model not in model_names:
         wanted = sorted(model_names)[0]
         problems.append(
-            (
+            FieldProblem(
                 "body.model",
                 f"is '{model}' but this job runs '{wanted}' (one model per job); "
                 "remove body.model or submit the job with --model set to it",
@@ -113,30 +147,40 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         )
     if endpoint == "chat":
         problems += _check_messages(body.get("messages"))
+    elif endpoint == "responses":
+        problems += _check_responses_request(body)
     elif endpoint == "completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            problems.append(("body.prompt", f"a completions row needs a string prompt, got {_kind(prompt)}"))
+            problems.append(
+                wrong_kind("body.prompt", prompt, f"a completions row needs a string prompt, got {_kind(prompt)}")
+            )
     else:
         problems += _check_embedding_input(body.get("input"))
     if "response_format" in body and endpoint != "embeddings":
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
-        problems.append(("body.stream", "streaming is not available in a batch job; remove it"))
+        problems.append(FieldProblem("body.stream", "streaming is not available in a batch job; remove it"))
     problems += check_numbers(body, "body.")
     if body.get("logprobs") not in (None, False):
-        problems.append(("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs"))
+        problems.append(
+            FieldProblem("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs")
+        )
     elif body.get("top_logprobs") is not None:
         problems.append(
-            ("body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs")
+            FieldProblem(
+                "body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs"
+            )
         )
     problems += _check_fields(body, endpoint)
     n = body.get("n", 1)
     if n != 1:
-        problems.append(("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
+        problems.append(FieldProblem("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        problems.append(("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}"))
+        problems.append(
+            FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
+        )
     return problems
 
 
@@ -148,16 +192,16 @@ def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem
     for name, value in body.items():  # runs for every row: a look-up and a type test per field
         spec = accepted.get(name)
         if spec is None:
-            problems.append((f"body.{name}", unknown_field(name, endpoint)))
+            problems.append(FieldProblem(f"body.{name}", unknown_field(name, endpoint), UNKNOWN_PARAMETER))
         elif not spec.kinds or (value is None and not spec.sampling):
             continue  # checked on its own, or an unset envelope field as OpenAI clients write them
         elif type(value) not in spec.kinds:
             wanted = " or ".join(KIND_WORDS[k] for k in spec.kinds if not (k is int and float in spec.kinds))
-            problems.append((f"body.{name}", f"must be {wanted}, got {_kind(value)}"))
+            problems.append(FieldProblem(f"body.{name}", f"must be {wanted}, got {_kind(value)}", INVALID_TYPE))
         elif type(value) is float and not math.isfinite(value):
             continue  # check_numbers says so
         elif type(value) in NUMBER and (why := spec.out_of_range(value)) is not None:
-            problems.append((f"body.{name}", why))
+            problems.append(FieldProblem(f"body.{name}", why))
     return problems
 
 
@@ -171,12 +215,12 @@ def check_numbers(values: dict[str, Any], prefix: str = "") -> list[FieldProblem
             continue
         if type(value) is float:
             if not math.isfinite(value):
-                problems.append((prefix + key, _non_finite_message(value)))
+                problems.append(FieldProblem(prefix + key, _non_finite_message(value)))
         elif type(value) is int:
             low, high = INTEGER_RANGES.get(key, (value, value))
             if not low <= value <= high:
                 message = f"is {value}, outside the range the engine takes ({low} to {high}); use a value within it"
-                problems.append((prefix + key, message))
+                problems.append(FieldProblem(prefix + key, message))
         elif key == "logit_bias" and value is not None:
             problems += _check_logit_bias(value, prefix + key)
     return problems
@@ -189,7 +233,7 @@ def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
     while stack:
         where, value = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
-            yield where, _non_finite_message(value)
+            yield FieldProblem(where, _non_finite_message(value))
         elif isinstance(value, dict):
             stack += [(f"{where}.{key}" if where else key, item) for key, item in reversed(value.items())]
         elif isinstance(value, list):
@@ -202,28 +246,38 @@ def _non_finite_message(value: float) -> str:
 
 def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
     if not isinstance(bias, dict):
-        return [(where, f'must be an object of token ids and biases like {{"1234": -100}}, got {_kind(bias)}')]
+        message = f'must be an object of token ids and biases like {{"1234": -100}}, got {_kind(bias)}'
+        return [FieldProblem(where, message, INVALID_TYPE)]
     for token, value in bias.items():
         if not (token.isascii() and token.isdigit() and int(token) <= INT32_MAX):
-            return [(f"{where}.{token}", f'{json.dumps(token)} is not a token id; keys must be token ids like "1234"')]
+            return [
+                FieldProblem(
+                    f"{where}.{token}", f'{json.dumps(token)} is not a token id; keys must be token ids like "1234"'
+                )
+            ]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return [(f"{where}.{token}", f"must be a number from -100 to 100, got {_kind(value)}")]
+            return [
+                FieldProblem(f"{where}.{token}", f"must be a number from -100 to 100, got {_kind(value)}", INVALID_TYPE)
+            ]
         if not math.isfinite(value):
-            return [(f"{where}.{token}", _non_finite_message(value))]
+            return [FieldProblem(f"{where}.{token}", _non_finite_message(value))]
         if abs(value) > LOGIT_BIAS_LIMIT:
-            return [(f"{where}.{token}", f"is {value}; a bias must be from -100 to 100")]
+            return [FieldProblem(f"{where}.{token}", f"is {value}; a bias must be from -100 to 100")]
     return []
 
 
 def _check_messages(messages: Any) -> list[FieldProblem]:
     if not isinstance(messages, list) or not messages:
-        return [("body.messages", f"a chat row needs a non-empty list of messages, got {_kind(messages)}")]
+        message = f"a chat row needs a non-empty list of messages, got {_kind(messages)}"
+        return [FieldProblem("body.messages", message, MISSING_PARAMETER if not messages else INVALID_TYPE)]
     for n, msg in enumerate(messages):
         where = f"body.messages[{n}]"
         if not isinstance(msg, dict):
-            return [(where, f"must be an object with role and content, got {_kind(msg)}")]
+            return [FieldProblem(where, f"must be an object with role and content, got {_kind(msg)}", INVALID_TYPE)]
         if msg.get("role") not in ROLES:
-            return [(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(msg.get('role'))}")]
+            return [
+                FieldProblem(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(msg.get('role'))}")
+            ]
         content = msg.get("content")
         if content is None and msg.get("role") == "assistant" and msg.get("tool_calls"):
             continue
@@ -231,23 +285,111 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
             continue
         if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
             continue
-        return [(f"{where}.content", f"must be a string or a list of content parts, got {_kind(content)}")]
+        message = f"must be a string or a list of content parts, got {_kind(content)}"
+        return [wrong_kind(f"{where}.content", content, message)]
+    return []
+
+
+def _check_responses_request(body: dict[str, Any]) -> list[FieldProblem]:
+    """The parts of a /v1/responses request that have a shape of their own: input, text.format,
+    reasoning.effort."""
+    problems = _check_response_input(body.get("input"))
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        message = f'must be an object like {{"format": {{"type": "json_object"}}}}, got {_kind(text)}'
+        problems.append(FieldProblem("body.text", message, INVALID_TYPE))
+    elif text is not None and text.get("format") is not None:
+        problems += _check_text_format(text["format"])
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        message = f'must be an object like {{"effort": "low"}}, got {_kind(reasoning)}'
+        problems.append(FieldProblem("body.reasoning", message, INVALID_TYPE))
+    elif reasoning is not None and reasoning.get("effort") not in (None, *EFFORTS):
+        message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(reasoning['effort'])}"
+        problems.append(FieldProblem("body.reasoning.effort", message))
+    return problems
+
+
+def _check_response_input(value: Any) -> list[FieldProblem]:
+    where = "body.input"
+    if isinstance(value, str):
+        return [] if value.strip() else [FieldProblem(where, "is empty; there is no prompt to send")]
+    if not isinstance(value, list) or not value:
+        message = f"a responses row needs a string input or a non-empty list of input items, got {_kind(value)}"
+        return [FieldProblem(where, message, MISSING_PARAMETER if value is None else INVALID_TYPE)]
+    for n, item in enumerate(value):
+        at = f"{where}[{n}]"
+        if not isinstance(item, dict):
+            return [
+                FieldProblem(at, f"must be an input item object with role and content, got {_kind(item)}", INVALID_TYPE)
+            ]
+        if item.get("type", "message") != "message":
+            message = f"is a {json.dumps(item['type'])} item; batch rows take message items only (role and content)"
+            return [FieldProblem(f"{at}.type", message)]
+        if item.get("role") not in ITEM_ROLES:
+            return [
+                FieldProblem(
+                    f"{at}.role", f"must be one of {', '.join(ITEM_ROLES)}; got {json.dumps(item.get('role'))}"
+                )
+            ]
+        content = item.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            message = f"must be a string or a list of content parts, got {_kind(content)}"
+            return [wrong_kind(f"{at}.content", content, message)]
+        for p, part in enumerate(content):
+            if (found := _check_input_part(part, f"{at}.content[{p}]")) is not None:
+                return [found]
+    return []
+
+
+def _check_input_part(part: Any, where: str) -> FieldProblem | None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS:
+        text = part.get("text")
+        return (
+            None if isinstance(text, str) else wrong_kind(f"{where}.text", text, f"must be a string, got {_kind(text)}")
+        )
+    if kind == IMAGE_PART:
+        url = part.get("image_url")
+        if isinstance(url, str):
+            return None
+        message = "must be the image's URL (https: or data:) as a string; images by file_id are not supported"
+        return wrong_kind(f"{where}.image_url", url, message)
+    wanted = ", ".join((*TEXT_PARTS, IMAGE_PART))
+    return FieldProblem(f"{where}.type", f"must be one of {wanted}; got {json.dumps(kind)}")
+
+
+def _check_text_format(fmt: Any) -> list[FieldProblem]:
+    """text.format of a responses request: chat's response_format with the schema one level up."""
+    where = "body.text.format"
+    if found := _check_format_type(fmt, where):
+        return found
+    if fmt["type"] != "json_schema":
+        return []
+    if "json_schema" in fmt:
+        message = (
+            'in a responses request the schema goes straight in text.format: {"type": "json_schema", '
+            '"name": ..., "schema": {...}}'
+        )
+        return [FieldProblem(f"{where}.json_schema", message, UNKNOWN_PARAMETER)]
+    if not isinstance(fmt.get("name"), str):
+        return [wrong_kind(f"{where}.name", fmt.get("name"), "is required for type 'json_schema': the schema's name")]
+    if not isinstance(fmt.get("schema"), dict):
+        message = f"must be a JSON Schema object (got {_kind(fmt.get('schema'))})"
+        return [wrong_kind(f"{where}.schema", fmt.get("schema"), message)]
     return []
 
 
 def _check_embedding_input(value: Any) -> list[FieldProblem]:
     if isinstance(value, str):
-        return [] if value else [("body.input", "is an empty string; there is nothing to embed")]
+        return [] if value else [FieldProblem("body.input", "is an empty string; there is nothing to embed")]
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         return []
     if isinstance(value, list):
-        return [
-            (
-                "body.input",
-                f"holds {len(value)} items; put one text per row (one row per custom_id)",
-            )
-        ]
-    return [("body.input", f"an embeddings row needs a string input, got {_kind(value)}")]
+        return [FieldProblem("body.input", f"holds {len(value)} items; put one text per row (one row per custom_id)")]
+    return [wrong_kind("body.input", value, f"an embeddings row needs a string input, got {_kind(value)}")]
 
 
 def parse_options(raw: dict[str, Any]) -> JobOptions:
@@ -260,16 +402,18 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "options"
             msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(Problem(f"{msg} (options)", field=loc))
+            problems.append(Problem(f"{msg} (options)", field=loc, code=pydantic_code(err["type"])))
         raise JobRejected(problems) from None
     _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
+    if options.shards is not None and options.shard_rows is not None:
+        raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
     found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
     if found:
-        raise JobRejected([Problem(f"{m} (options)", field=f.removeprefix("body.")) for f, m in found])
+        raise JobRejected(_as_options(found))
     if options.response_format is not None:
         found = check_response_format(options.response_format, "response_format")
         if found:
-            raise JobRejected([Problem(m + " (options)", field=f) for f, m in found])
+            raise JobRejected(_as_options(found))
     if options.reasoning_parser is not None or options.tool_parser is not None:
         from anex_pipeline.engine.parsing import ParserChoiceError, check_parser_names  # imports vLLM
 
@@ -280,12 +424,28 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
     return options
 
 
+def _as_options(found: list[FieldProblem]) -> list[Problem]:
+    """Problems of job options, each named as the option (the rows' own checks say ``body.``)."""
+    return [Problem(f"{p.message} (options)", field=p.field.removeprefix("body."), code=p.code) for p in found]
+
+
+def pydantic_code(error_type: str) -> str:
+    """OpenAI's code for a pydantic validation error's type (``missing``, ``int_parsing``, ...)."""
+    if error_type == "missing":
+        return MISSING_PARAMETER
+    if error_type == "extra_forbidden":
+        return UNKNOWN_PARAMETER
+    if error_type.endswith(("_type", "_parsing")):
+        return INVALID_TYPE
+    return INVALID_VALUE
+
+
 def _reject_numbers(raw: dict[str, Any]) -> None:
     """Raises JobRejected for the options' number fields the engine cannot take, and for an
     infinity or NaN in any other option (a time limit, a price, a media timeout)."""
     found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
     if found:
-        raise JobRejected([Problem(f"{m} (options)", field=f) for f, m in found])
+        raise JobRejected(_as_options(found))
 
 
 def _unknown_option(loc: tuple[Any, ...]) -> str:

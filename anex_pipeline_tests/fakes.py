@@ -16,7 +16,8 @@ from anex_pipeline.engine.base import Engine, EngineRequest, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
-from anex_pipeline.spec import RowOutcome
+from anex_pipeline.request_fields import PROMPT_FIELDS
+from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 from anex_pipeline.workdir.manifest import JobManifest
 
 
@@ -43,7 +44,8 @@ class FakeEngine:
         prompt = req.body["prompt"] if req.endpoint == "completions" else json.dumps(req.body["messages"])
         words = prompt.split()
         if len(words) > self.context_words:
-            return rejected(req, f"prompt of {len(words)} tokens exceeds the context", "messages")
+            problem = f"prompt of {len(words)} tokens exceeds the context"
+            return rejected(req, problem, PROMPT_FIELDS[req.endpoint], CONTEXT_LENGTH_EXCEEDED)
         if req.response_format is not None:
             answer = json.dumps({"answer": req.key})
         else:

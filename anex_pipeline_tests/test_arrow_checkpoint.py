@@ -199,3 +199,21 @@ def test_parquet_merge_memory_does_not_grow_with_the_shard(tmp_path: Path, monke
     monkeypatch.setattr(parquet, "MERGE_ROWS", 2048)
     small, big = parquet_merge_peak(tmp_path, 8_000), parquet_merge_peak(tmp_path, 64_000)
     assert big < small * 1.5, (small, big)  # 8 times the rows
+
+
+def test_a_checkpoint_from_before_the_finish_reason_column_is_upgraded(tmp_path: Path) -> None:
+    """A shard checkpointed by an earlier version resumes: its rows read with a null finish
+    reason, and the rows appended after them are read too."""
+    path = tmp_path / "results.arrow"
+    current = arrow_checkpoint.schema("chat")
+    older = pa.schema([f for f in current if f.name != "finish_reason"])
+    rows = arrow_checkpoint._batch([answer(0), answer(1)], "chat")
+    old_batch = pa.RecordBatch.from_arrays([rows.column(n) for n in older.names], schema=older)
+    path.write_bytes(older.serialize().to_pybytes() + old_batch.serialize().to_pybytes())
+    finished = answer(2)
+    finished.body["choices"][0]["finish_reason"] = "stop"  # type: ignore[index]
+    arrow_checkpoint.append(path, [finished], "chat")
+    table = latest(path)
+    assert table.column("i").to_pylist() == [0, 1, 2]
+    assert table.column("finish_reason").to_pylist() == [None, None, "stop"]
+    assert table.column("value").to_pylist() == ["answer 0", "answer 1", "answer 2"]

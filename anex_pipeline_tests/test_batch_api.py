@@ -148,6 +148,7 @@ def test_sdk_round_trip_matches_the_pipeline(tmp_path: Path, fake_runner: JobRun
     assert comparable(output) == comparable([r for r in direct if r["error"] is None])
     assert errors == [r for r in direct if r["error"] is not None]
     assert [r["custom_id"] for r in errors] == ["r4"] and errors[0]["response"]["status_code"] == 400
+    assert (errors[0]["error"]["code"], errors[0]["error"]["param"]) == ("context_length_exceeded", "messages")
 
 
 def test_another_key_sees_nothing(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -185,7 +186,7 @@ def test_malformed_input_fails_with_line_numbered_errors(tmp_path: Path, fake_ru
         batch = wait(sdk, submit(sdk, src).id)
     assert batch.status == "failed" and batch.failed_at is not None
     assert batch.errors is not None and batch.errors.data is not None
-    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_request"), (3, "invalid_request")]
+    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_json"), (3, "missing_required_parameter")]
     assert batch.errors.data[1].param == "custom_id"
     assert batch.output_file_id is None
 
@@ -280,7 +281,7 @@ def test_size_limits_and_keys(tmp_path: Path, fake_runner: JobRunner) -> None:
             sdk.batches.list(extra_headers={"Authorization": openai.omit})
         assert missing.value.body["code"] == "missing_api_key"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad:
-            sdk.batches.create(input_file_id="file-x", endpoint="/v1/responses", completion_window="24h")
+            sdk.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")
         assert bad.value.body["param"] == "endpoint"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad:
             sdk.post(
@@ -289,6 +290,44 @@ def test_size_limits_and_keys(tmp_path: Path, fake_runner: JobRunner) -> None:
                 cast_to=Batch,
             )
         assert "max_token" in bad.value.message and "max_tokens" in bad.value.message
+        assert bad.value.body["code"] == "unknown_parameter"  # type: ignore[index]
+
+
+def test_validation_errors_carry_openais_codes(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """Metadata over OpenAI's limits, and requests that are not JSON, lack a field or give one of
+    the wrong kind, are refused with the code OpenAI gives each."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    args = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            args["input_file_id"] = sdk.files.create(file=f, purpose="batch").id
+        refusals = {
+            "string_above_max_length": [{"k" * 65: "v"}, {"k": "v" * 513}],
+            "object_above_max_properties": [{f"k{n}": "v" for n in range(17)}],
+        }
+        for code, cases in refusals.items():
+            for metadata in cases:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    sdk.batches.create(**args, metadata=metadata)  # type: ignore[arg-type]
+                assert refused.value.body["code"] == code, metadata  # type: ignore[index]
+        longest = {f"k{n:02d}" + "k" * 61: "v" * 512 for n in range(16)}  # 16 pairs at the limits
+        assert sdk.batches.create(**args, metadata=longest).metadata == longest  # type: ignore[arg-type]
+        for body, code, param in (
+            ("{not json", "invalid_json", None),
+            (
+                json.dumps({"completion_window": "24h", "input_file_id": "file-x"}),
+                "missing_required_parameter",
+                "endpoint",
+            ),
+            (json.dumps({**args, "metadata": {"a": 5}}), "invalid_type", "metadata.a"),
+            (json.dumps({**args, "completion_window": "1h"}), "invalid_value", "completion_window"),
+        ):
+            answer = httpx.post(
+                f"{url}/batches", content=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=10
+            )
+            assert answer.status_code == 400
+            assert (answer.json()["error"]["code"], answer.json()["error"]["param"]) == (code, param), body
 
 
 def test_embedded_requests(tmp_path: Path, fake_runner: JobRunner) -> None:

@@ -29,6 +29,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     rows[123] = chat_row("row-123", "tell me a story " * 700, max_tokens=8)  # about 2,800 tokens
     # values that pass the submit checks one by one, but not together: vLLM refuses the row
     rows[7] = chat_row("row-7", "hi", max_tokens=8, min_tokens=20)
+    rows[50] = chat_row("row-50", "hi", max_tokens=2040)  # the prompt leaves less of the 2,048-token context
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
 
@@ -37,7 +38,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     lines = read_jsonl(out)
     assert [line["custom_id"] for line in lines] == [f"row-{i}" for i in range(200)]
     for i, line in enumerate(lines):
-        if i in (7, 123):
+        if i in (7, 50, 123):
             continue
         assert line["error"] is None and line["response"]["status_code"] == 200
         body = ChatCompletion.model_validate(line["response"]["body"])
@@ -47,13 +48,22 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     assert long_row["response"]["status_code"] == 400 and long_row["response"]["body"] is None
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "context" in long_row["error"]["message"]
+    assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")
+    over_cap = lines[50]
+    assert over_cap["response"]["status_code"] == 400
+    assert (over_cap["error"]["code"], over_cap["error"]["param"]) == ("context_length_exceeded", "max_tokens")
+    assert "at most" in over_cap["error"]["message"]
     bad_param = lines[7]
     assert bad_param["response"]["status_code"] == 400
     assert bad_param["error"]["type"] == "invalid_request_error"
     assert "min_tokens" in bad_param["error"]["message"]
     report = json.loads((tmp_path / "out.report.json").read_text())
     assert report["status"] == "completed"
-    assert report["request_counts"] == {"total": 200, "completed": 198, "failed": 2, "format_error_rows": 0}
+    assert report["request_counts"] == {"total": 200, "completed": 197, "failed": 3, "format_error_rows": 0}
+    assert {k: report["error_counts"][k] for k in ("context_length_exceeded", "invalid_request_error")} == {
+        "context_length_exceeded": 2,
+        "invalid_request_error": 1,
+    }
     assert report["usage"]["completion_tokens"] > 0
 
 
@@ -73,18 +83,38 @@ def test_cli_run_gives_real_english_answers(tmp_path: Path) -> None:
 
 def test_200_row_parquet_job(tmp_path: Path, real_runner: JobRunner) -> None:
     prompts = [f"Name a colour. ({i})" for i in range(200)]
+    prompts[77] = "tell me a story " * 700  # about 2,800 tokens, over the 2,048-token context
     pq.write_table(pa.table({"prompt": prompts, "batch": ["a"] * 200}), tmp_path / "in.parquet")
     out = tmp_path / "out.parquet"
     report = run_job(real_runner, tmp_path / "in.parquet", out, {"max_tokens": 6, "temperature": 0})
-    assert report.status == "completed" and report.request_counts.completed == 200
+    assert report.status == "completed" and report.request_counts.completed == 199
+    assert report.error_counts.get("context_length_exceeded") == 1
     table = pq.read_table(out)
     assert table.num_rows == 200
-    assert table.column_names == ["prompt", "batch", "row_index", "output", "error_type"]
+    assert table.column_names == [
+        "prompt",
+        "batch",
+        "row_index",
+        "output",
+        "error_type",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+    ]
     assert table.column("row_index").to_pylist() == list(range(200))
     assert table.column("prompt").to_pylist() == prompts
-    outputs = table.column("output").to_pylist()
-    assert all(isinstance(o, str) and o for o in outputs)
-    assert set(table.column("error_type").to_pylist()) <= {None, "length"}
+    rows = table.to_pylist()
+    failed = rows.pop(77)
+    assert failed["error_type"] == "context_length_exceeded" and failed["output"] is None
+    assert (failed["prompt_tokens"], failed["completion_tokens"], failed["finish_reason"]) == (None, None, None)
+    assert all(isinstance(r["output"], str) and r["output"] for r in rows)
+    assert {r["error_type"] for r in rows} <= {None, "length"}
+    for r in rows:  # the row's own figures: the chat template's tokens around the prompt, at most 6 answered
+        assert 10 < r["prompt_tokens"] < 60 and 0 < r["completion_tokens"] <= 6
+        assert r["finish_reason"] in ("stop", "length")
+        assert (r["error_type"] == "length") == (r["finish_reason"] == "length")
+    assert sum(r["prompt_tokens"] for r in rows) == report.usage.prompt_tokens
+    assert sum(r["completion_tokens"] for r in rows) == report.usage.completion_tokens
 
 
 def test_completions_job(tmp_path: Path, real_runner: JobRunner) -> None:

@@ -51,7 +51,7 @@ def test_parquet_embeddings_get_a_float32_column_and_no_output(tmp_path: Path, r
     pq.write_table(pa.table({"text": list(TEXTS.values()), "tag": list(TEXTS)}), tmp_path / "in.parquet")
     report = run_job(real_runner, tmp_path / "in.parquet", tmp_path / "out.parquet")
     table = pq.read_table(tmp_path / "out.parquet")
-    assert table.column_names == ["text", "tag", "row_index", "embedding", "error_type"]
+    assert table.column_names == ["text", "tag", "row_index", "embedding", "error_type", "prompt_tokens"]
     assert table.schema.field("embedding").type == pa.list_(pa.float32())
     assert table.column("error_type").to_pylist() == [None] * 4
     assert report.request_counts.completed == 4

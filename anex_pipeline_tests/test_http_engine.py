@@ -27,14 +27,24 @@ import httpx
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
-from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.openai_http import (
+    HttpSettings,
+    OpenAIHttpEngine,
+    ServerUnavailable,
+    named_context_error,
+    row_error,
+)
+from anex_pipeline.formats import InputRow
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 
 SERVED = "served-model"
@@ -230,6 +240,26 @@ def test_a_400_fails_only_its_row_with_the_servers_message_and_param(server: Fak
     assert server.attempts["bad"] == 1  # a refusal is final: never retried
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "server_param", "param"),
+    [("chat", "input_tokens", "messages"), ("completions", None, "prompt"), ("chat", "max_tokens", "max_tokens")],
+)
+def test_a_refusal_over_the_context_gets_openais_code(endpoint: str, server_param: str | None, param: str) -> None:
+    message = "This model's maximum context length is 2048 tokens. However, your prompt contains 2100 input tokens."
+    answer = httpx.Response(
+        400, json={"error": {"message": message, "type": "BadRequestError", "param": server_param, "code": 400}}
+    )
+    error = named_context_error(row_error(answer), endpoint)
+    assert (error.type, error.code, error.param, error.message) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        param,
+        message,
+    )
+    other = httpx.Response(400, json={"error": {"message": "temperature must be at least 0", "param": "temperature"}})
+    assert named_context_error(row_error(other), endpoint).code is None
+
+
 def test_a_429_is_retried_after_the_wait_the_server_asks_for(server: FakeServer) -> None:
     started = time.monotonic()
     [outcome] = engine_on(server).run([request(0, "busy")])
@@ -410,3 +440,20 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     assert set(long_row["error"]) == {"message", "type", "code", "param"}
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "maximum context length" in long_row["error"]["message"]
+    assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_a_responses_row_is_sent_as_chat_and_answered_as_a_response(server: FakeServer) -> None:
+    body = {"input": "hello", "instructions": "Be brief.", "max_output_tokens": 8, "temperature": 0}
+    row = chat_row_of(InputRow(0, "r0", body))
+    req = resolve_request(row, "job", "responses", JobOptions(), None, None)
+    [outcome] = run_checked(engine_on(server), [req])
+
+    _, sent = server.received[req.request_id]
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    assert sent["max_tokens"] == 8 and sent["temperature"] == 0
+    assert not {"input", "instructions", "max_output_tokens"} & set(sent)
+    answer = Response.model_validate(outcome.body)
+    assert answer.output_text == server.answered[req.request_id]["choices"][0]["message"]["content"]
+    assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens == 2
+    assert (answer.usage.input_tokens, answer.usage.output_tokens, answer.instructions) == (5, 3, "Be brief.")

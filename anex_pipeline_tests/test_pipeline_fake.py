@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletion
 
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobRejected
 from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource, shared_fake_engine
@@ -61,13 +62,64 @@ def test_parquet_job_adds_row_index_output_and_error_type(tmp_path: Path, fake_r
     out = tmp_path / "out.parquet"
     report = fake_runner.run(fake_runner.submit(str(tmp_path / "in.parquet"), str(out), {"max_tokens": 3, "shards": 4}))
     table = pq.read_table(out)
-    assert table.column_names == ["prompt", "topic", "row_index", "output", "error_type"]
+    assert table.column_names == [
+        "prompt",
+        "topic",
+        "row_index",
+        "output",
+        "error_type",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+    ]
     assert table.column("row_index").to_pylist() == list(range(200))
     assert table.column("topic").to_pylist() == [f"t{i}" for i in range(200)]
     kinds = table.column("error_type").to_pylist()
-    assert kinds[10] == "invalid_request_error" and table.column("output")[10].as_py() is None
+    assert kinds[10] == "context_length_exceeded" and table.column("output")[10].as_py() is None
     assert kinds[0] == "length"  # the fake's answers are longer than 3 words
     assert report.request_counts.failed == 1
+    assert report.error_counts["context_length_exceeded"] == 1
+    meta = table.select(["prompt_tokens", "completion_tokens", "finish_reason"]).to_pylist()
+    assert meta[10] == {"prompt_tokens": None, "completion_tokens": None, "finish_reason": None}  # the failed row
+    assert meta[0] == {"prompt_tokens": 7, "completion_tokens": 3, "finish_reason": "length"}  # words, for the fake
+    assert sum(m["completion_tokens"] or 0 for m in meta) == report.usage.completion_tokens
+
+
+def test_parquet_row_metadata_survives_a_resume_and_can_be_turned_off(tmp_path: Path, fake_runner: JobRunner) -> None:
+    prompts = [f"say {'more ' * (i % 5)}about {i}" for i in range(40)]
+    pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")
+    options = {"shards": 2, "max_tokens": 6}
+    whole = tmp_path / "whole.parquet"
+    fake_runner.run(fake_runner.submit(str(tmp_path / "in.parquet"), str(whole), options))
+    columns = ["prompt_tokens", "completion_tokens", "finish_reason"]
+    expected = pq.read_table(whole).select(columns)
+    assert set(expected.column("finish_reason").to_pylist()) == {"stop"}
+    assert len(set(expected.column("prompt_tokens").to_pylist())) == 5  # the prompts have five lengths
+
+    resumed = tmp_path / "resumed.parquet"
+    job = fake_runner.submit(str(tmp_path / "in.parquet"), str(resumed), {**options, "checkpoint_rows": 3})
+    fake_runner.run(job, shards=[0])  # the first shard's rows go to its checkpoint, then the job resumes
+    engine = shared_fake_engine(job.manifest().model_name)
+    seen = len(engine.seen)
+    fake_runner.run(job)
+    assert len(engine.seen) - seen == 20  # only the second shard was generated
+    assert pq.read_table(resumed).select(columns).equals(expected)
+
+    bare = tmp_path / "bare.parquet"
+    fake_runner.run(fake_runner.submit(str(tmp_path / "in.parquet"), str(bare), {**options, "row_metadata": False}))
+    assert pq.read_table(bare).column_names == ["prompt", "row_index", "output", "error_type"]
+
+
+def test_an_input_column_named_like_row_metadata_is_refused_unless_it_is_off(
+    tmp_path: Path, fake_runner: JobRunner
+) -> None:
+    pq.write_table(pa.table({"prompt": ["a", "b"], "finish_reason": ["x", "y"]}), tmp_path / "in.parquet")
+    with pytest.raises(JobRejected) as refused:
+        fake_runner.submit(str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"), {})
+    assert refused.value.problems[0].field == "finish_reason" and "row_metadata" in str(refused.value)
+    job = fake_runner.submit(str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"), {"row_metadata": False})
+    fake_runner.run(job)
+    assert pq.read_table(tmp_path / "out.parquet").column("finish_reason").to_pylist() == ["x", "y"]
 
 
 def test_parquet_with_own_id_keeps_it(tmp_path: Path, fake_runner: JobRunner) -> None:

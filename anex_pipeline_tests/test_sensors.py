@@ -27,7 +27,7 @@ from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSetti
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.orchestration.retries import RetrySettings
-from anex_pipeline.orchestration.runs import JOB_DIMENSION_TAG, LAUNCHED_BY_TAG
+from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.workdir.manifest import JobManifest
@@ -520,7 +520,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
             cli.wait(timeout=30)
         assert instance.get_run_by_id(shard_run.run_id).status == dg.DagsterRunStatus.STARTED
 
-        job_id = shard_run.tags[JOB_DIMENSION_TAG]
+        job_id = shard_run.tags[PARTITION_TAG].split("|")[0]
         assert deployment.drive() == [
             [f"shard_job:{job_shard_key(job_id, s)}" for s in range(2)],
             [f"finish_job:{job_id}"],

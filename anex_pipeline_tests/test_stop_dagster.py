@@ -13,7 +13,7 @@ from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.stopping import recorded_stop
-from anex_pipeline.workdir.manifest import JobDir, shard_key
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import REPO, chat_row, write_jsonl
 from anex_pipeline_tests.test_webserver import (
     ADD_PARTITION,
@@ -67,11 +67,7 @@ def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_pat
         key = job_shard_key("ui-stop", 0)
         run_id = client.submit_job_execution(
             "shard_job",
-            tags={
-                "dagster/partition": str(key),
-                "dagster/partition/job": "ui-stop",
-                "dagster/partition/shard": shard_key(0),
-            },
+            tags={"dagster/partition": key},
         )
         deadline = time.monotonic() + 120
         while not any(re.match(r"[1-9]\d*/\d+ rows done", m) for m in messages(ws, run_id)):

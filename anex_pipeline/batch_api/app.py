@@ -39,13 +39,23 @@ from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import BatchWorker
 from anex_pipeline.retention import forget_file
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import ENDPOINT_BY_URL, JobRejected, MediaOptions
-from anex_pipeline.validate import parse_options
+from anex_pipeline.spec import (
+    ENDPOINT_BY_URL,
+    INVALID_JSON,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    MISSING_PARAMETER,
+    JobRejected,
+    MediaOptions,
+)
+from anex_pipeline.validate import parse_options, pydantic_code
 
 OPTIONS_METADATA_KEY = "anex_options"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
-MAX_METADATA_PAIRS = 16
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on a batch's metadata
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) page of files
 MEDIA_LIMITS = ("max_bytes", "timeout_s", "per_host_connections", "max_retries")  # a caller may only lower these
 
@@ -84,7 +94,9 @@ class BatchApi:
                 400, f"purpose must be 'batch' (got {purpose!r}): files here are batch inputs.", param="purpose"
             )
         if not isinstance(upload, UploadFile):
-            raise ApiError(400, "Send the file's bytes in the multipart field 'file'.", param="file")
+            raise ApiError(
+                400, "Send the file's bytes in the multipart field 'file'.", param="file", code=MISSING_PARAMETER
+            )
         expiry = upload_expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
         record = await run_in_threadpool(
             lambda: self.store.add_file(
@@ -152,15 +164,17 @@ class BatchApi:
         try:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "The request body is not valid JSON.") from None
+            raise ApiError(400, "The request body is not valid JSON.", code=INVALID_JSON) from None
         except RecursionError:
-            raise ApiError(400, "The request body is JSON nested too deeply to read; flatten it.") from None
+            raise ApiError(
+                400, "The request body is JSON nested too deeply to read; flatten it.", code=INVALID_JSON
+            ) from None
         try:
             body = CreateBatch.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
-            raise ApiError(400, f"'{param}': {first['msg']}", param=param) from None
+            raise ApiError(400, f"'{param}': {first['msg']}", param=param, code=pydantic_code(first["type"])) from None
         idempotency_key = request.headers.get("idempotency-key")
         record = await run_in_threadpool(self._create_batch, owner, body, idempotency_key)
         return JSONResponse(await run_in_threadpool(self.show, record))
@@ -260,21 +274,25 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
     if body.endpoint not in ENDPOINT_BY_URL:
         supported = ", ".join(ENDPOINT_BY_URL)
         raise ApiError(
-            400, f"endpoint {body.endpoint!r} is not supported here; use one of {supported}.", param="endpoint"
+            400,
+            f"endpoint {body.endpoint!r} is not supported here; use one of {supported}.",
+            param="endpoint",
         )
     if body.completion_window != "24h":
         raise ApiError(
-            400, f"completion_window must be '24h', got {body.completion_window!r}.", param="completion_window"
+            400,
+            f"completion_window must be '24h', got {body.completion_window!r}.",
+            param="completion_window",
         )
     if (body.input_file_id is None) == (body.requests is None):
         raise ApiError(
-            400, "Give either input_file_id or the embedded requests, not both and not neither.", param="input_file_id"
+            400,
+            "Give either input_file_id or the embedded requests, not both and not neither.",
+            param="input_file_id",
+            code=MISSING_PARAMETER if body.input_file_id is None else INVALID_VALUE,
         )
     metadata = body.metadata or {}
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise ApiError(
-            400, f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed.", param="metadata"
-        )
+    check_metadata(metadata)
     options: dict[str, Any] = {}
     if OPTIONS_METADATA_KEY in metadata:
         try:
@@ -284,12 +302,14 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
                 400,
                 f"metadata.{OPTIONS_METADATA_KEY} is not valid JSON: {exc.msg}.",
                 param=f"metadata.{OPTIONS_METADATA_KEY}",
+                code=INVALID_JSON,
             ) from None
         if not isinstance(options, dict):
             raise ApiError(
                 400,
                 f"metadata.{OPTIONS_METADATA_KEY} must be a JSON object of job options.",
                 param=f"metadata.{OPTIONS_METADATA_KEY}",
+                code=INVALID_TYPE,
             )
     options.update(body.anex_options or {})
     options["media"] = narrowed_media(options.get("media"), media)
@@ -306,8 +326,37 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
         return parse_options(options).model_dump(exclude_defaults=True)
     except JobRejected as exc:
         raise ApiError(
-            400, "The job options are not valid: " + "; ".join(str(p) for p in exc.problems), param=OPTIONS_METADATA_KEY
+            400,
+            "The job options are not valid: " + "; ".join(str(p) for p in exc.problems),
+            param=OPTIONS_METADATA_KEY,
+            code=exc.problems[0].code,
         ) from None
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """Refuses metadata beyond OpenAI's limits (16 pairs, keys of 64 characters, values of 512),
+    with OpenAI's codes and wording."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ApiError(
+            400,
+            f"Invalid 'metadata': too many properties. Expected an object with at most {MAX_METADATA_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            param="metadata",
+            code="object_above_max_properties",
+        )
+    for key, value in metadata.items():
+        for what, text, limit in (("key", key, MAX_METADATA_KEY), ("value", value, MAX_METADATA_VALUE)):
+            if len(text) > limit:
+                hint = (
+                    f" (job options that long go in the body field {OPTIONS_METADATA_KEY})" if what == "value" else ""
+                )
+                raise ApiError(
+                    400,
+                    f"Invalid 'metadata.{key[:MAX_METADATA_KEY]}': {what} too long. Expected a string with maximum "
+                    f"length {limit}, but got a string with length {len(text)} instead{hint}.",
+                    param=f"metadata.{key[:MAX_METADATA_KEY]}" if what == "value" else "metadata",
+                    code="string_above_max_length",
+                )
 
 
 def upload_expiry(anchor: Any, seconds: Any) -> int | None:
@@ -324,6 +373,7 @@ def upload_expiry(anchor: Any, seconds: Any) -> int | None:
             400,
             f"'{param}': {first['msg']} (expires_after takes anchor 'created_at' and 1 to {MAX_EXPIRY_S} seconds).",
             param=param,
+            code=pydantic_code(first["type"]),
         ) from None
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from anex_pipeline.spec import JobReport, RequestCounts
+from anex_pipeline.spec import INVALID_VALUE, JobReport, RequestCounts
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -31,7 +31,8 @@ def now() -> int:
 
 
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; a
+    400 about a field has OpenAI's ``invalid_value`` code unless it is given a closer one."""
 
     def __init__(
         self,
@@ -44,6 +45,8 @@ class ApiError(Exception):
     ):
         super().__init__(message)
         self.status = status
+        if code is None and status == 400 and param is not None:  # a field's value is what is wrong
+            code = INVALID_VALUE
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

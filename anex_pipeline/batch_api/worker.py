@@ -156,7 +156,7 @@ class BatchWorker:
             )
         except JobRejected as exc:
             errors = [
-                BatchError(code="invalid_request", message=p.message, param=p.field, line=p.line)
+                BatchError(code=p.code, message=p.message, param=p.field, line=p.line)
                 for p in exc.problems[:MAX_ERRORS]
             ]
             self.store.update_batch(batch_id, errors=errors, failed_at=now())

@@ -17,6 +17,7 @@ OPTION_FLAGS: list[tuple[str, str, Any]] = [
     ("--reasoning-parser", "reasoning_parser", str),
     ("--tool-parser", "tool_parser", str),
     ("--shards", "shards", int),
+    ("--shard-rows", "shard_rows", int),
     ("--temperature", "temperature", float),
     ("--top-p", "top_p", float),
     ("--top-k", "top_k", int),
@@ -39,7 +40,7 @@ BOOL_FLAGS = [
 FLAG_HELP: dict[str, str] = {
     "model": "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct; "
     "all-MiniLM-L6-v2 for embeddings)",
-    "endpoint": "chat, completions or embeddings (default: from the rows' url, else chat)",
+    "endpoint": "chat, completions, embeddings or responses (default: from the rows' url, else chat)",
     "reasoning_budget": "thinking tokens a row may use before its trace is closed; 0 = no cap "
     "(default: estimated from a sample for reasoning models)",
     "max_tokens": "output-token cap for every row that sets none of its own (a row's own max_tokens wins); "
@@ -47,6 +48,7 @@ FLAG_HELP: dict[str, str] = {
     "reasoning_parser": "name of vLLM's reasoning parser (default: chosen from the model)",
     "tool_parser": "name of vLLM's tool-call parser (default: chosen from the model)",
     "shards": "how many shards (Dagster partitions) the rows are split into (default: by size)",
+    "shard_rows": "at most this many rows per shard (instead of --shards; default: by rows and tokens)",
     "temperature": "default for rows that set none (default: the model's)",
     "top_p": "default for rows that set none (default: the model's)",
     "top_k": "default for rows that set none (default: the model's)",

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.formats import InputRow
-from anex_pipeline.request_fields import NON_SAMPLING_FIELDS
+from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
+from anex_pipeline.responses import as_response
 from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
 
 
@@ -30,12 +31,15 @@ class EngineRequest:
     body: dict[str, Any]
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    cap_field: str | None = None  # the body field that set max_tokens; None: the job's figure did
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_budget: int | None = None  # None: no cap
     # Split thinking / tool calls out of chat answers, where the model has a parser for them.
     parse_thinking: bool = True
     parse_tool_calls: bool = True
+    # A /v1/responses row, run as chat: its request as written, from which its answer is built.
+    respond: dict[str, Any] | None = None
 
     @property
     def constrained(self) -> bool:
@@ -69,12 +73,17 @@ def resolve_request(
     """Applies the precedence rules: the row's own values win over the job's defaults.
 
     ``max_tokens`` and ``reasoning_budget`` are the job-level figures in force (the user's or
-    the estimate's); a budget of 0 means no cap.
+    the estimate's); a budget of 0 means no cap. A /v1/responses row runs as the chat row it means.
     """
     body = row.body
+    if endpoint == "responses":
+        endpoint = "chat"
     sampling = options.sampling_defaults()
     sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_FIELDS})
-    row_cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    cap_field = next((name for name in CAP_FIELDS if body.get(name) is not None), None)
+    row_cap = body[cap_field] if cap_field is not None else None
+    if cap_field is not None and row.respond is not None:
+        cap_field = "max_output_tokens"  # the row's own name for it
     response_format = body.get("response_format", options.response_format)
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
@@ -90,11 +99,13 @@ def resolve_request(
         body=body,
         sampling=sampling,
         max_tokens=row_cap if row_cap is not None else max_tokens,
+        cap_field=cap_field,
         response_format=response_format if endpoint != "embeddings" else None,
         chat_template_kwargs=kwargs,
         reasoning_budget=body.get("thinking_token_budget", reasoning_budget) or None,  # the row's own wins
         parse_thinking=options.parse_thinking is not False,
         parse_tool_calls=options.parse_tool_calls is not False,
+        respond=row.respond,
     )
 
 
@@ -108,7 +119,7 @@ def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopChe
         if stop is not None:
             stop()
         outcomes = engine.run(requests)
-    return [mark_completion(o, r.response_format, r.endpoint) for o, r in zip(outcomes, requests, strict=True)]
+    return [checked(o, r) for o, r in zip(outcomes, requests, strict=True)]
 
 
 def stream_checked(
@@ -146,13 +157,16 @@ def stream_checked(
         groups = in_groups(engine.run, recorded(), group_rows, stop)
     try:
         for group in groups:
-            checked = []
-            for o in group:
-                req = asked.pop(o.index)
-                checked.append(mark_completion(o, req.response_format, req.endpoint))
-            yield checked
+            yield [checked(o, asked.pop(o.index)) for o in group]
     finally:
         groups.close()
+
+
+def checked(outcome: RowOutcome, request: EngineRequest) -> RowOutcome:
+    """A finished row after the checks every engine's rows get (cap reached, format), in the shape
+    its endpoint answers in (a /v1/responses row's chat answer becomes a Responses object)."""
+    outcome = mark_completion(outcome, request.response_format, request.endpoint)
+    return outcome if request.respond is None else as_response(outcome, request.respond)
 
 
 def collect(

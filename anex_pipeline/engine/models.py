@@ -53,9 +53,11 @@ _ENDPOINT_KIND = {
     "chat": "chat",
     "completions": "completions",
     "embeddings": "embeddings",
+    "responses": "chat",
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "chat",
 }
 
 

@@ -24,7 +24,8 @@ import httpx
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import unit_vector
 from anex_pipeline.net.retry import retry_after_seconds
-from anex_pipeline.spec import RowError, RowOutcome
+from anex_pipeline.request_fields import PROMPT_FIELDS
+from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class OpenAIHttpEngine:
             )
             return RowOutcome(req.index, req.key, None, error=RowError(message=message, type="engine_error"))
         if not response.is_success:
-            return RowOutcome(req.index, req.key, response.status_code, error=row_error(response))
+            error = named_context_error(row_error(response), req.endpoint)
+            return RowOutcome(req.index, req.key, response.status_code, error=error)
         try:
             payload = response.json()
             if req.endpoint == "embeddings":
@@ -237,6 +239,15 @@ def row_error(response: httpx.Response) -> RowError:
         code=info.get("code"),
         param=param if isinstance(param, str) else None,
     )
+
+
+def named_context_error(error: RowError, endpoint: str) -> RowError:
+    """The server's refusal of a row over the model's context, with OpenAI's code for it
+    (vLLM's server gives the HTTP status as code, and names its own token count as param)."""
+    if error.type != "invalid_request_error" or "maximum context length" not in error.message:
+        return error
+    param = PROMPT_FIELDS[endpoint] if error.param in (None, "input_tokens", "input_text") else error.param
+    return RowError(message=error.message, type=error.type, code=CONTEXT_LENGTH_EXCEEDED, param=param)
 
 
 def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:

@@ -49,8 +49,8 @@ from anex_pipeline.engine.parsing import (
 )
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.media.audio import audio_problem
-from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, SAMPLING_FIELDS
-from anex_pipeline.spec import RowOutcome
+from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
+from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,11 @@ class Answer:
 class RequestProblem(Exception):
     """A row that cannot be sent to the model as it is."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class VllmLocalEngine:
@@ -274,11 +275,19 @@ class VllmLocalEngine:
             raise RequestProblem(
                 f"the prompt has {prompt_len} tokens but the model's context holds {self.max_model_len}; "
                 "shorten the prompt or run on a longer-context model",
-                "messages" if req.endpoint == "chat" else "prompt",
+                PROMPT_FIELDS[req.endpoint],
+                CONTEXT_LENGTH_EXCEEDED,
             )
         cap = req.max_tokens
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise RequestProblem(f"max_tokens must be a positive integer, got {cap!r}", "max_tokens")
+        if cap is not None and req.cap_field is not None and cap > room:  # a job-wide figure is cut to fit instead
+            raise RequestProblem(
+                f"{req.cap_field} is {cap} but the prompt's {prompt_len} tokens leave {room} of the model's "
+                f"context of {self.max_model_len}; set {req.cap_field} to at most {room} or shorten the prompt",
+                req.cap_field,
+                CONTEXT_LENGTH_EXCEEDED,
+            )
         for key in NUMBER_KEYS + INTEGER_KEYS:
             value = req.sampling.get(key)
             wanted = int if key in INTEGER_KEYS else (int, float)
@@ -378,7 +387,7 @@ class VllmLocalEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if isinstance(exc, RequestProblem):
-            return rejected(req, exc.message, exc.param)
+            return rejected(req, exc.message, exc.param, exc.code)
         if isinstance(exc, EngineDeadError):
             raise exc
         if engine_gone(self.llm):  # the error came from the engine's death: fail the shard as such
@@ -471,7 +480,7 @@ class VllmLocalEngine:
             ids = self._prompt_ids(req)
             if len(ids) > self.max_model_len:
                 problem = f"the input has {len(ids)} tokens but the model takes at most {self.max_model_len}"
-                outcomes[req.index] = rejected(req, problem, "input")
+                outcomes[req.index] = rejected(req, problem, "input", CONTEXT_LENGTH_EXCEEDED)
             else:
                 ready.append((req, ids))
         with self._watched():

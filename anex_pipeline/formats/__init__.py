@@ -17,6 +17,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from anex_pipeline import responses
+from anex_pipeline.spec import error_kind
+
 FileFormat = Literal["jsonl", "parquet"]
 
 PARQUET_MAGIC = b"PAR1"
@@ -30,6 +33,8 @@ class InputRow:
     index: int  # 0-based position in the input
     key: str  # the row identity: custom_id, the Parquet id column, or the row index
     body: dict[str, Any]
+    # A /v1/responses row: its request as written, while ``body`` is the chat request it means.
+    respond: dict[str, Any] | None = None
 
 
 class StoredUsage(msgspec.Struct, frozen=True):
@@ -61,8 +66,11 @@ class StoredOutcome(msgspec.Struct):
 
     @property
     def error_type(self) -> str | None:
-        """The error's type for a failed row, else the completion's flag ("length", ...)."""
-        return self.error["type"] if self.error is not None else self.flag
+        """What a failed row counts as (:func:`~anex_pipeline.spec.error_kind`), else the
+        completion's flag ("length", ...)."""
+        if self.error is None:
+            return self.flag
+        return error_kind(self.error["type"], self.error.get("code"))
 
 
 decode_stored_outcome = msgspec.json.Decoder(StoredOutcome).decode
@@ -82,8 +90,21 @@ def write_error(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
+def finish_reason_of(endpoint: str, body: dict[str, Any] | None) -> str | None:
+    """Why a completion body's answer ended (``stop``, ``length``, ``tool_calls``); None for an
+    embedding or a row without a body."""
+    if body is None or endpoint == "embeddings":
+        return None
+    if endpoint == "responses":
+        return responses.finish_reason(body)
+    return (body.get("choices") or [{}])[0].get("finish_reason")
+
+
 def text_of(endpoint: str, body: dict[str, Any]) -> str:
     """The answer text of a completion body, or the whole body as JSON when it has no text."""
     choice = (body.get("choices") or [{}])[0]
-    text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")
+    if endpoint == "responses":
+        text = responses.output_text(body)
+    else:
+        text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")
     return text if isinstance(text, str) and text else json.dumps(body, ensure_ascii=False)

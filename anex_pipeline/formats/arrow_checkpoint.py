@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, text_of, write_error
+from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, finish_reason_of, text_of, write_error
 from anex_pipeline.spec import Endpoint, RowOutcome
 
 USAGE_COLUMNS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
@@ -48,6 +48,7 @@ def schema(endpoint: Endpoint) -> pa.Schema:
             pa.field("format_error", pa.bool_()),
             *(pa.field(name, pa.int64()) for name in USAGE_COLUMNS),
             pa.field("reused", pa.bool_()),
+            pa.field("finish_reason", pa.string()),
             pa.field("value", value_field(endpoint).type),
         ]
     )
@@ -61,6 +62,8 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     message = memoryview(_batch(rows, endpoint).serialize())
+    if str(path) not in _known_ends:  # the first append of this process: the file may be older
+        _upgrade(path, endpoint)
     with path.open("ab", buffering=0) as f:
         found = os.fstat(f.fileno())
         start = _good_end(path, found)
@@ -78,6 +81,42 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
             raise write_error(exc, path) from None
         stat = os.fstat(f.fileno())
         _known_ends[str(path)] = (stat.st_ino, stat.st_size)
+
+
+def _upgrade(path: Path, endpoint: Endpoint) -> None:
+    """Rewrites a checkpoint written before a column was added (``finish_reason``), its rows
+    given nulls there, so that the rows appended next share its schema. Written aside and
+    renamed into place: a crash leaves the old file whole."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    wanted = schema(endpoint)
+    try:
+        with pa.memory_map(str(path)) as source:
+            if pa.ipc.open_stream(source).schema.equals(wanted):
+                return
+    except _READ_ERRORS:  # not even the schema is whole: the append starts the file afresh
+        return
+    aside = path.with_name(f".{path.name}.upgrade")
+    try:
+        with aside.open("wb") as f:
+            f.write(wanted.serialize().to_pybytes())
+            for batch in whole_batches(path):
+                f.write(_conformed(batch, wanted).serialize().to_pybytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, path)
+    except OSError as exc:
+        aside.unlink(missing_ok=True)
+        raise write_error(exc, path) from None
+
+
+def _conformed(batch: pa.RecordBatch, wanted: pa.Schema) -> pa.RecordBatch:
+    """A batch of an older checkpoint in the current schema: columns it lacks are null."""
+    if batch.schema.equals(wanted):
+        return batch
+    names = batch.schema.names
+    columns = [batch.column(f.name) if f.name in names else pa.nulls(batch.num_rows, f.type) for f in wanted]
+    return pa.RecordBatch.from_arrays(columns, schema=wanted)
 
 
 def _good_end(path: Path, stat: os.stat_result) -> int:
@@ -107,6 +146,7 @@ def _batch(rows: list[RowOutcome], endpoint: Endpoint) -> pa.RecordBatch:
         "format_error": [o.format_error for o in rows],
         **{name: [o.usage.get(name, 0) for o in rows] for name in USAGE_COLUMNS},
         "reused": [o.reused for o in rows],
+        "finish_reason": [finish_reason_of(endpoint, o.body) if o.error is None else None for o in rows],
         "value": [_value(o, endpoint) for o in rows],
     }
     return pa.RecordBatch.from_pydict(columns, schema=schema(endpoint))
@@ -126,7 +166,8 @@ def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterato
     copied is the row indices (8 bytes a row), the order to take them in when the file is not in
     order (8 more), and one window at a time."""
     window = window or WINDOW_ROWS
-    table = pa.Table.from_batches(list(whole_batches(path)), schema=schema(endpoint))
+    wanted = schema(endpoint)
+    table = pa.Table.from_batches([_conformed(b, wanted) for b in whole_batches(path)], schema=wanted)
     indices = table.column("i").to_numpy()
     if (np.diff(indices) > 0).all():  # simply appended in order, once each
         for start in range(0, table.num_rows, window):

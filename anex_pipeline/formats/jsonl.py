@@ -14,8 +14,21 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from anex_pipeline import responses
 from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
-from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.spec import (
+    DUPLICATE_ID,
+    ENDPOINT_BY_URL,
+    INVALID_JSON,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    URL_BY_ENDPOINT,
+    Endpoint,
+    JobOptions,
+    Problem,
+    RowOutcome,
+)
+from anex_pipeline.spec import MISSING_PARAMETER as MISSING
 from anex_pipeline.validate import _kind, check_body
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -148,7 +161,7 @@ def read_chunks(
     index = 0
     chunk: list[bytes] = []
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
-    prompt = options.system_prompt if endpoint == "chat" else None
+    prompt = options.system_prompt if endpoint in ("chat", "responses") else None
     with path.open("rb") as f:
         head = f.read(4)
         if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
@@ -177,7 +190,7 @@ def read_chunks(
             else:
                 value, reason = _decode(raw)
                 if reason is not None:
-                    problems = [Problem(reason, line=number)]
+                    problems = [Problem(reason, line=number, code=INVALID_JSON)]
                 else:
                     problems = _check_line(value, endpoint, model_names, number)
             if problems:
@@ -232,7 +245,7 @@ class _Ids:
                 cid = _decode(raw.removeprefix(_UTF8_BOM) if number == 1 else raw)[0]["custom_id"]
                 if cid in first:
                     message = f"'{cid}' is already used on line {first[cid]}; ids must be unique"
-                    problems.append(Problem(message, number, "custom_id"))
+                    problems.append(Problem(message, number, "custom_id", DUPLICATE_ID))
                 else:
                     first[cid] = number
         return problems
@@ -281,19 +294,20 @@ def shard_row(line: bytes | str) -> InputRow:
 
 def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], number: int) -> list[Problem]:
     if not isinstance(value, dict):
-        return [Problem("must be a JSON object with custom_id and body", line=number)]
+        return [Problem("must be a JSON object with custom_id and body", line=number, code=INVALID_TYPE)]
     problems = []
     cid = value.get("custom_id")
     if "custom_id" not in value:
-        problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id"))
+        problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id", MISSING))
     elif not isinstance(cid, str) or not cid:
-        problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id"))
+        kind = INVALID_TYPE if not isinstance(cid, str) else INVALID_VALUE
+        problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id", kind))
     method = value.get("method", "POST")
     if method != "POST":
         problems.append(Problem(f"must be POST, got {json.dumps(method)}", number, "method"))
     url = value.get("url")
     if url is not None and not isinstance(url, str):
-        problems.append(Problem(f"must be a string such as {CHAT_URL}, got {_kind(url)}", number, "url"))
+        problems.append(Problem(f"must be a string such as {CHAT_URL}, got {_kind(url)}", number, "url", INVALID_TYPE))
     elif url is not None and url not in ENDPOINT_BY_URL:
         problems.append(
             Problem(f"{json.dumps(url)} is not supported; use one of {', '.join(ENDPOINT_BY_URL)}", number, "url")
@@ -303,15 +317,18 @@ def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], num
             Problem(f"is {url} but this job's rows go to the {endpoint} endpoint; one endpoint per file", number, "url")
         )
     if "body" not in value:
-        problems.append(Problem("is required: the request as the OpenAI API takes it", number, "body"))
+        problems.append(Problem("is required: the request as the OpenAI API takes it", number, "body", MISSING))
     else:
         own = ENDPOINT_BY_URL.get(url, endpoint) if isinstance(url, str) else endpoint  # not the job's, if mixed
-        problems += [Problem(msg, number, fld) for fld, msg in check_body(value["body"], own, model_names)]
+        problems += [Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names)]
     return problems
 
 
 def _apply_job_prompt(body: dict[str, Any], endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
-    """Prepends the job's system_prompt to a chat row that has no system message of its own."""
+    """Prepends the job's system_prompt to a chat row that has no system message of its own, and
+    gives it as instructions to a responses row that has none."""
+    if endpoint == "responses" and options.system_prompt and not body.get("instructions"):
+        return {**body, "instructions": options.system_prompt}
     if endpoint != "chat" or not options.system_prompt:
         return body
     if any(m.get("role") in ("system", "developer") for m in body["messages"]):
@@ -355,10 +372,12 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
 
 
 def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, as prepared (the job's endpoint and options are already applied)."""
+    """A shard's rows, as prepared (the job's options are already applied; a /v1/responses row
+    comes as the chat row it means)."""
     with path.open("rb") as f:
         for line in f:
-            yield shard_row(line)
+            row = shard_row(line)
+            yield responses.chat_row(row) if endpoint == "responses" else row
 
 
 def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:

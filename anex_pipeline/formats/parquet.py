@@ -13,10 +13,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from anex_pipeline import responses
 from anex_pipeline.formats import InputRow, StoredOutcome, arrow_checkpoint
 from anex_pipeline.formats.images import image_part
-from anex_pipeline.spec import Endpoint, JobOptions, Problem, RowOutcome
-from anex_pipeline.validate import check_body
+from anex_pipeline.spec import DUPLICATE_ID, INVALID_VALUE, MISSING_PARAMETER, Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.validate import FieldProblem, check_body
 
 T = TypeVar("T")
 BATCH_ROWS = 16_384
@@ -28,10 +29,18 @@ SHARD_COLUMNS = ("i", "key", "value")
 SHARD_IMAGE = "image"  # a fourth shard column when the job has an image_column
 # A prompt made only of what str.strip() removes (every such character is at most U+3000).
 _BLANK = "^[{}]*$".format("".join(f"\\x{{{c:x}}}" for c in range(0x3001) if chr(c).isspace()))
+# The columns of each row's metadata in a result (option row_metadata).
+ROW_METADATA = (
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+)
+TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens")
 PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("messages", "prompt"),
     "completions": ("prompt",),
     "embeddings": ("input", "text"),
+    "responses": ("input", "prompt"),
 }
 
 
@@ -120,23 +129,31 @@ def _is_bytes(kind: pa.DataType) -> bool:
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind)
 
 
-def result_columns(schema: pa.Schema, endpoint: Endpoint) -> list[str]:
+def result_fields(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) -> list[pa.Field]:
     """The columns a job's result adds to the input's: ``row_index`` (when there is no ``id``), the
-    answer (or embedding) and ``error_type``."""
-    added = [] if "id" in schema.names else ["row_index"]
-    return [*added, arrow_checkpoint.value_field(endpoint).name, "error_type"]
+    answer (or embedding), ``error_type`` and, unless the ``row_metadata`` option is off, the
+    row's token counts and finish reason (an embedding has only its prompt's tokens)."""
+    added = [] if "id" in schema.names else [pa.field("row_index", pa.int64())]
+    added += [arrow_checkpoint.value_field(endpoint), pa.field("error_type", pa.string())]
+    if options.row_metadata:
+        added += [f for f in ROW_METADATA if endpoint != "embeddings" or f.name == "prompt_tokens"]
+    return added
 
 
-def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str) -> list[Problem]:
+def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str, options: JobOptions) -> list[Problem]:
     """A problem for each input column that a result column would replace."""
     roles = {"row_index": "the row numbers", "error_type": "each row's error"}
+    roles.update(dict.fromkeys((f.name for f in ROW_METADATA), "each row's metadata"))
+    metadata = {f.name for f in ROW_METADATA}
     return [
         Problem(
             f"is a column the result writes ({roles.get(name, 'the answers')}), so its values would be lost; "
-            "rename it in the file" + (" and set prompt_column to the new name" if name == prompt else ""),
+            "rename it in the file"
+            + (" and set prompt_column to the new name" if name == prompt else "")
+            + (", or set the option row_metadata to false" if name in metadata else ""),
             field=name,
         )
-        for name in result_columns(schema, endpoint)
+        for name in (f.name for f in result_fields(schema, endpoint, options))
         if name in schema.names
     ]
 
@@ -156,7 +173,7 @@ def read_chunks(
     except ParquetInputError as exc:
         yield from exc.problems
         return
-    taken = _taken_names(pf.schema_arrow, endpoint, column)
+    taken = _taken_names(pf.schema_arrow, endpoint, column, options)
     image_problem = image_column_problem(pf.schema_arrow, endpoint, options)
     if taken or image_problem:
         yield from taken or [image_problem]
@@ -219,18 +236,18 @@ def _checked_rows(
         if has_id:
             key = "" if row_id is None else str(row_id)
             if row_id is None:
-                problems.append(Problem("is null; every row needs an id", number, "id"))
+                problems.append(Problem("is null; every row needs an id", number, "id", MISSING_PARAMETER))
             elif seen is not None and key in seen:
-                problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id"))
+                problems.append(Problem(f"'{key}' is already used by row {seen[key]}", number, "id", DUPLICATE_ID))
             elif seen is not None:
                 seen[key] = number
         try:
             body = request_body(prompt, endpoint, options, picture)
         except ValueError as exc:  # the image's bytes are of no image type
-            problems.append(Problem(str(exc), number, options.image_column))
+            problems.append(Problem(str(exc), number, options.image_column, INVALID_VALUE))
         else:
             found = _problems(prompt, body, column, endpoint, model_names)
-            problems += [Problem(msg.replace("body.", ""), number, column) for _, msg in found]
+            problems += [Problem(p.message.replace("body.", ""), number, column, p.code) for p in found]
         if problems:
             yield from problems
         else:
@@ -257,12 +274,10 @@ def request_body(
         return {"input": value}
     if endpoint == "completions":
         return {"prompt": value}
-    if isinstance(value, str):
-        messages: Any = [{"role": "user", "content": value}]
-    elif isinstance(value, list):
-        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
-    else:
-        messages = value
+    if endpoint == "responses":
+        body = {"input": _without_nulls(value)}
+        return {**body, "instructions": options.system_prompt} if options.system_prompt else body
+    messages = [{"role": "user", "content": value}] if isinstance(value, str) else _without_nulls(value)
     if image is not None and isinstance(messages, list) and messages and isinstance(messages[-1], dict):
         messages = [*messages[:-1], _with_image(messages[-1], image_part(image))]
     if options.system_prompt and isinstance(messages, list):
@@ -277,13 +292,21 @@ def _with_image(message: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]
     return {**message, "content": [*parts, part]}
 
 
+def _without_nulls(value: Any) -> Any:
+    """A list of messages or items read from Arrow structs, without the fields a row left null
+    (a struct column has every field any row has); any other value as it is."""
+    if not isinstance(value, list):
+        return value
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+
+
 def _problems(
     value: Any, body: dict[str, Any], column: str, endpoint: Endpoint, model_names: frozenset[str]
-) -> list[tuple[str, str]]:
+) -> list[FieldProblem]:
     if value is None:
-        return [(column, "is null; the row has nothing to send")]
+        return [FieldProblem(column, "is null; the row has nothing to send", MISSING_PARAMETER)]
     if isinstance(value, str) and not value.strip() and endpoint != "embeddings":
-        return [(column, "is empty; there is no prompt to send")]
+        return [FieldProblem(column, "is empty; there is no prompt to send")]
     return check_body(body, endpoint, model_names)
 
 
@@ -327,42 +350,44 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
 
 
 def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, with the request bodies built from their prompts under the job's options."""
+    """A shard's rows, with the request bodies built from their prompts under the job's options (a
+    /v1/responses row comes as the chat row it means)."""
     with pa.OSFile(str(path)) as source, pa.ipc.open_file(source) as reader:
         for n in range(reader.num_record_batches):
-            yield from chunk_rows(reader.get_batch(n), endpoint, options)
+            for row in chunk_rows(reader.get_batch(n), endpoint, options):
+                yield responses.chat_row(row) if endpoint == "responses" else row
 
 
-def write_results(input_path: Path, out_path: Path, answers: Iterator[pa.Table], endpoint: Endpoint) -> int:
-    """Copies the input's columns and adds the result columns, keeping only rows with an answer.
+def write_results(
+    input_path: Path, out_path: Path, answers: Iterator[pa.Table], endpoint: Endpoint, options: JobOptions
+) -> int:
+    """Copies the input's columns and adds the result columns (:func:`result_fields`), keeping only
+    rows with an answer.
 
     ``answers`` are checkpoint tables (:mod:`~anex_pipeline.formats.arrow_checkpoint`) whose rows
     come in ascending input order across all of them; rows without one (a job that stopped
     early) are left out. Returns the number of rows written.
     """
     pf = open_input(input_path)
-    add_index = "id" not in pf.schema_arrow.names
-    value = arrow_checkpoint.value_field(endpoint)
-    fields = list(pf.schema_arrow)  # none of them has the name of a result column: checked at submit
-    schema = pa.schema(
-        fields
-        + ([pa.field("row_index", pa.int64())] if add_index else [])
-        + [value, pa.field("error_type", pa.string())]
-    )
+    added = result_fields(pf.schema_arrow, endpoint, options)
+    # none of the input's columns has the name of a result column: checked at submit
+    schema = pa.schema(list(pf.schema_arrow) + added)
     written = 0
     with pq.ParquetWriter(out_path, schema) as writer:
-        for table in _made_ahead(_result_tables(pf, answers, schema, add_index, endpoint)):
+        for table in _made_ahead(_result_tables(pf, answers, schema, len(added), endpoint)):
             writer.write_table(table)
             written += table.num_rows
     return written
 
 
 def _result_tables(
-    pf: pq.ParquetFile, answers: Iterator[pa.Table], schema: pa.Schema, add_index: bool, endpoint: Endpoint
+    pf: pq.ParquetFile, answers: Iterator[pa.Table], schema: pa.Schema, added: int, endpoint: Endpoint
 ) -> Iterator[pa.Table]:
     """The result, a table per batch of input rows: the input's columns of the rows that have an
-    answer, then ``row_index`` (with ``add_index``), the answer and ``error_type``."""
-    copied = schema.names[: -3 if add_index else -2]
+    answer, then the ``added`` result columns, taken from the checkpoint's columns of the same name
+    (``row_index`` is the row's ``i``, the answer its ``value``); a failed row has no token counts."""
+    copied = schema.names[:-added]
+    sources = {"row_index": "i", arrow_checkpoint.value_field(endpoint).name: "value"}
     pending = _Answers(answers, arrow_checkpoint.schema(endpoint))
     offset = 0
     for batch in pf.iter_batches(batch_size=MERGE_ROWS):
@@ -372,8 +397,13 @@ def _result_tables(
         taken = pa.Table.from_batches([batch])
         if found.num_rows < batch.num_rows:
             taken = taken.take(pc.subtract(indices, offset))
-        cols = [taken.column(name) for name in copied] + ([indices] if add_index else [])
-        cols += [found.column("value"), found.column("error_type")]  # a failed row's value is null
+        failed = pc.is_valid(found.column("error"))
+        cols = [taken.column(name) for name in copied]
+        for name in schema.names[-added:]:
+            column = found.column(sources.get(name, name))  # a failed row's value is null
+            if name in TOKEN_COLUMNS:
+                column = pc.if_else(failed, pa.scalar(None, column.type), column)
+            cols.append(column)
         yield pa.Table.from_arrays(cols, schema=schema)
         offset = stop
 

@@ -18,7 +18,14 @@ from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.engine import EngineLoadFailed
-from anex_pipeline.orchestration.partitions import all_shards_of_job, job_partitions, job_shard_partitions
+from anex_pipeline.orchestration.partitions import (
+    across_jobs_and_shards,
+    job_of_key,
+    job_partitions,
+    register_job,
+    shard_partitions,
+    split_shard_key,
+)
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
@@ -55,8 +62,7 @@ class JobSubmission(dg.Config):
 
 
 def _job(context: dg.AssetExecutionContext, storage: StorageResource) -> JobDir:
-    keys = context.partition_key.keys_by_dimension if isinstance(context.partition_key, dg.MultiPartitionKey) else None
-    job = storage.job(keys["job"] if keys else context.partition_key)
+    job = storage.job(job_of_key(context.partition_key))
     if not job.exists():
         raise dg.Failure(f"job {job.job_id} has not been submitted: materialize validated_input for it first")
     return job
@@ -92,9 +98,18 @@ def _disk_full(exc: Exception) -> bool:
     return "disk is full" in str(exc) or "disk I/O error" in str(exc)
 
 
-def _shard(context: dg.AssetExecutionContext) -> int:
-    assert isinstance(context.partition_key, dg.MultiPartitionKey)
-    return int(context.partition_key.keys_by_dimension["shard"])
+def _shard(context: dg.AssetExecutionContext, job: JobDir) -> int:
+    """The shard of a per-shard step; one the job does not have (a key left by an earlier
+    submission of the job with more shards) fails the step with what to do."""
+    shard = split_shard_key(context.partition_key)[1]
+    count = len(job.manifest().shards)
+    if shard >= count:
+        raise dg.Failure(
+            f"job {job.job_id} has {count} shard(s), 0 to {count - 1}, and no shard {shard}: "
+            "run its shards from the job's own partitions",
+            allow_retries=False,
+        )
+    return shard
 
 
 @dg.asset(
@@ -132,6 +147,7 @@ def validated_input(
         raise dg.Failure(f"job {job.job_id} is new: set 'input' and 'output' in the run config")
     record_timing(job, "validate", time.monotonic() - started)
     m = job.manifest()
+    register_job(context.instance, job.job_id, len(m.shards))
     return dg.MaterializeResult(
         metadata={
             "rows": m.total_rows,
@@ -146,19 +162,16 @@ def validated_input(
 
 
 @dg.asset(
-    partitions_def=job_shard_partitions,
-    deps=[validated_input],
+    partitions_def=shard_partitions,
+    deps=[dg.AssetDep(validated_input, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
     kinds={"python"},
     description="Downloads the media that the shard's rows reference by URL into the media cache.",
 )
 def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     job = _job(context, storage)
-    shard = _shard(context)
-    manifest = job.manifest()
-    if shard >= len(manifest.shards):
-        return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
-    stats = fetch_media.fetch_shard(job, shard, manifest.job_options().media)
+    shard = _shard(context, job)
+    stats = fetch_media.fetch_shard(job, shard, job.manifest().job_options().media)
     return dg.MaterializeResult(metadata=stats)
 
 
@@ -182,8 +195,8 @@ def length_estimate(
 
 
 @dg.asset(
-    partitions_def=job_shard_partitions,
-    deps=[fetched_media, length_estimate],
+    partitions_def=shard_partitions,
+    deps=[fetched_media, dg.AssetDep(length_estimate, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
     kinds={"vllm"},
     pool="gpu",
@@ -194,10 +207,8 @@ def generations(
     context: dg.AssetExecutionContext, storage: StorageResource, engine: EngineResource
 ) -> dg.MaterializeResult:
     job = _job(context, storage)
-    shard = _shard(context)
+    shard = _shard(context, job)
     manifest = job.manifest()
-    if shard >= len(manifest.shards):
-        return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
 
     last_line = [0.0]
 
@@ -218,7 +229,7 @@ def generations(
 
 @dg.asset(
     partitions_def=job_partitions,
-    deps=[dg.AssetDep(generations, partition_mapping=all_shards_of_job)],
+    deps=[dg.AssetDep(generations, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
     kinds={"python"},
     description="Joins the shard checkpoints in input order and writes the job report.",

@@ -13,14 +13,14 @@ from pathlib import Path
 import dagster as dg
 
 from anex_pipeline.orchestration.jobs import estimate_job, finish_job, shard_job
-from anex_pipeline.orchestration.partitions import job_shard_key
+from anex_pipeline.orchestration.partitions import CHUNK, job_shard_key, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.orchestration.runs import JobProgress, ShardFailure, job_progress, shard_failures
 from anex_pipeline.workdir.lease import driven_by_cli
 from anex_pipeline.workdir.manifest import JobDir
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 16)  # more than the jobs one instance keeps (docs/scale.md): a tick reads each once
 def _shard_count(work_root: str, job_id: str, submitted: int) -> int | None:
     """Shards the job uses; ``submitted`` is in the cache key because a resubmission may change it."""
     job = JobDir(Path(work_root).expanduser(), job_id)
@@ -94,7 +94,7 @@ def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) ->
             continue
         job = storage.job(p.job_id)
         pending = p.estimated >= p.submitted and pending_shards(p, count)
-        failures = shard_failures(context.instance, p.job_id) if pending else {}
+        failures = shard_failures(context.instance, p.job_id, count) if pending else {}
         steps = next_steps(p, count, failures)
         if not steps and not (p.finished and job.stop_path.exists()):
             continue
@@ -123,4 +123,8 @@ def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) ->
     if not requests:
         held = f"; {len(by_cli)} job(s) are being run by anex-pipeline (e.g. {by_cli[0]})" if by_cli else ""
         return dg.SkipReason(f"nothing to start: every job is finished or running{held}")
-    return dg.SensorResult(run_requests=requests)
+    # A job prepared before its shards had keys of their own gets them with its shard runs (the
+    # instance adds only the keys it lacks).
+    keys = [str(r.partition_key) for r in requests if r.job_name == shard_job.name]
+    adds = [shard_partitions.build_add_request(keys[n : n + CHUNK]) for n in range(0, len(keys), CHUNK)]
+    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)

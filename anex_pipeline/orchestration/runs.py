@@ -13,7 +13,7 @@ import dagster as dg
 
 from anex_pipeline.orchestration.assets import generations, length_estimate, result_file, validated_input
 from anex_pipeline.orchestration.jobs import shard_job
-from anex_pipeline.orchestration.partitions import job_shard_partitions
+from anex_pipeline.orchestration.partitions import CHUNK, job_of_key, shard_keys, split_shard_key
 
 IN_FLIGHT = [
     dg.DagsterRunStatus.QUEUED,
@@ -25,12 +25,6 @@ IN_FLIGHT = [
 
 
 PARTITION_TAG = "dagster/partition"
-
-
-JOB_DIMENSION_TAG = "dagster/partition/job"
-
-
-SHARD_DIMENSION_TAG = "dagster/partition/shard"
 
 
 LAUNCHED_BY_TAG = "anex/launched_by"  # "cli" on the runs of `anex-pipeline run` and `backfill`
@@ -66,9 +60,9 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         if job_id in jobs:
             jobs[job_id].finished = sid
     for key, sid in latest(generations).items():
-        dims = job_shard_partitions.get_partition_key_from_str(key).keys_by_dimension
-        if dims["job"] in jobs:
-            jobs[dims["job"]].shards[int(dims["shard"])] = sid
+        job_id, shard = split_shard_key(key)
+        if job_id in jobs:
+            jobs[job_id].shards[shard] = sid
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
         job_id = job_of_run(run)
         if job_id not in jobs:
@@ -81,16 +75,26 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
 
 
 def job_of_run(run: dg.DagsterRun) -> str | None:
-    """The job a run works on, from its partition tags (a shard run names it in its job dimension)."""
-    return run.tags.get(JOB_DIMENSION_TAG, run.tags.get(PARTITION_TAG))
+    """The job a run works on, from its partition key (a shard's key starts with its job's)."""
+    key = run.tags.get(PARTITION_TAG)
+    return job_of_key(key) if key else None
 
 
-def runs_of_job(instance: dg.DagsterInstance, job_id: str) -> list[dg.DagsterRun]:
+def runs_of_partitions(
+    instance: dg.DagsterInstance, keys: Sequence[str], job_name: str | None = None, statuses: Sequence[Any] = ()
+) -> list[dg.DagsterRun]:
+    """The runs of any of these partition keys, newest first (asked in chunks: a job may have
+    thousands of shards)."""
+    records = []
+    for n in range(0, len(keys), CHUNK):
+        tags = {PARTITION_TAG: list(keys[n : n + CHUNK])}
+        records += instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=list(statuses), tags=tags))
+    return [r.dagster_run for r in sorted(records, key=lambda r: r.create_timestamp, reverse=True)]
+
+
+def runs_of_job(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> list[dg.DagsterRun]:
     """Every run of one job: its job-level steps and its shards."""
-    runs = {}
-    for tags in ({PARTITION_TAG: job_id}, {JOB_DIMENSION_TAG: job_id}):
-        runs.update({run.run_id: run for run in instance.get_runs(filters=dg.RunsFilter(tags=tags))})
-    return list(runs.values())
+    return runs_of_partitions(instance, [job_id, *shard_keys(job_id, shard_count)])
 
 
 @dataclass(frozen=True)
@@ -101,17 +105,15 @@ class ShardFailure:
     reason: str
 
 
-def shard_failures(instance: dg.DagsterInstance, job_id: str) -> dict[int, ShardFailure]:
+def shard_failures(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> dict[int, ShardFailure]:
     """The latest failed ``shard_job`` run of each shard of a job; its step retries are spent."""
-    runs = instance.get_runs(
-        filters=dg.RunsFilter(
-            job_name=shard_job.name, statuses=[dg.DagsterRunStatus.FAILURE], tags={JOB_DIMENSION_TAG: job_id}
-        )
+    runs = runs_of_partitions(
+        instance, shard_keys(job_id, shard_count), job_name=shard_job.name, statuses=[dg.DagsterRunStatus.FAILURE]
     )
     failures: dict[int, ShardFailure] = {}
     for run in runs:  # newest first
-        shard = int(run.tags.get(SHARD_DIMENSION_TAG, "-1"))
-        if shard < 0 or shard in failures:
+        shard = split_shard_key(run.tags[PARTITION_TAG])[1]
+        if shard in failures:
             continue
         records = instance.get_records_for_run(
             run.run_id, of_type={dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import re
 import sqlite3
 from collections.abc import Iterable
 
@@ -51,9 +52,19 @@ def copy_for(outcome: RowOutcome, req: EngineRequest) -> RowOutcome:
     """The answer another row got, delivered as this row's: its index, key and response id."""
     body = outcome.body
     if body is not None and isinstance(body.get("id"), str):
-        kind = body["id"].split("-", 1)[0]
-        body = {**body, "id": f"{kind}-{req.request_id}"}
+        body = {**body, "id": _renamed(body["id"], req.request_id)}
+        if isinstance(body.get("output"), list):  # a Responses object's output items have ids too
+            body["output"] = [{**item, "id": _renamed(item["id"], req.request_id)} for item in body["output"]]
     return dataclasses.replace(outcome, index=req.index, key=req.key, body=body, reused=True)
+
+
+_ID_PREFIX = re.compile(r"[A-Za-z]+[-_]")
+
+
+def _renamed(object_id: str, request_id: str) -> str:
+    """An object id (``chatcmpl-...``, ``resp_...``, ``msg_...``) as made for another request id."""
+    prefix = _ID_PREFIX.match(object_id)
+    return f"{prefix.group(0) if prefix else ''}{request_id}"
 
 
 class AnswerBook:

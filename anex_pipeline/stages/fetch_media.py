@@ -8,6 +8,7 @@ stops at the job's time limit."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -160,7 +161,7 @@ def attach_media(
                     failed.append(media_failure(row, ref, exc))
                     break
             else:
-                ready.append(InputRow(row.index, row.key, _with_values(row.body, values)))
+                ready.append(dataclasses.replace(row, body=_with_values(row.body, values)))
     return ready, failed
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.formats import InputRow, StoredOutcome
+from anex_pipeline.responses import as_response
 from anex_pipeline.spec import EstimateReport, RowOutcome
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.answer_book import AnswerBook, copy_for, fingerprint
@@ -166,7 +167,8 @@ class _Feed:
         m = self.manifest
         while rows := list(itertools.islice(self.todo, self.group_rows)):
             chunk, failed = fetch_media.attach_media(rows, self.options.media, media_failures)
-            self.found.extend(failed)
+            asked = {row.index: row.respond for row in rows if row.respond is not None}  # /v1/responses rows
+            self.found.extend(as_response(o, asked[o.index]) if o.index in asked else o for o in failed)
             for row in chunk:
                 req = resolve_request(row, m.job_id, m.endpoint, self.options, self.max_tokens, self.budget)
                 key = fingerprint(req) if self.options.reuse_answers else None

@@ -41,7 +41,7 @@ class _Tally:
         usage = o.usage
         if o.error is not None:
             self.failed += 1
-            self.errors[o.error["type"]] += 1
+            self.errors[o.error_type] += 1
         else:
             self.completed += 1
             self.lengths[usage.completion_tokens] += 1
@@ -186,7 +186,7 @@ def merge_job(job: JobDir) -> JobReport:
         module = FORMATS[manifest.format]
         if module.MERGES_COLUMNS:
             answers = _answer_tables(job, manifest, tally)
-            module.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+            module.write_results(Path(manifest.input), partial, answers, manifest.endpoint, manifest.job_options())
         else:
             _write_jsonl(job, manifest, partial, tally)
         partial.replace(final)

@@ -21,7 +21,7 @@ from anex_pipeline.formats import (
     sniff_format,
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
-from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -33,7 +33,12 @@ from anex_pipeline.workdir.manifest import (
     make_job_id,
 )
 
+# A shard is the unit of work one GPU takes at a time; by default a job gets as many shards as it
+# needs for none to exceed either target (see docs/scale.md for why these sizes).
 ROWS_PER_SHARD = 4096
+TOKENS_PER_SHARD = 4_000_000  # estimated prompt + output tokens
+BYTES_PER_TOKEN = 4  # a prompt's size in tokens, guessed from its bytes at submit
+OUTPUT_TOKENS_GUESS = 256  # output tokens a row is expected to take when the job sets no max_tokens
 
 
 MAX_REPORTED_PROBLEMS = 1000
@@ -46,9 +51,22 @@ def default_report_path(output: str) -> str:
     return output + ".report.json"
 
 
-def shard_ranges(total: int, requested: int | None) -> list[ShardRange]:
-    count = requested or math.ceil(total / ROWS_PER_SHARD)
-    count = max(1, min(count, MAX_SHARDS, total))
+def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
+    """How many shards a job of ``total`` rows gets: ``shards`` when set, else enough for at most
+    ``shard_rows`` rows each, else enough for neither ``ROWS_PER_SHARD`` rows nor
+    ``TOKENS_PER_SHARD`` estimated tokens to be exceeded; never more shards than rows."""
+    if options.shards is not None:
+        count = options.shards
+    elif options.shard_rows is not None:
+        count = math.ceil(total / options.shard_rows)
+    else:
+        tokens = staged_bytes / BYTES_PER_TOKEN + total * (options.max_tokens or OUTPUT_TOKENS_GUESS)
+        count = max(math.ceil(total / ROWS_PER_SHARD), math.ceil(tokens / TOKENS_PER_SHARD))
+    return max(1, min(count, total))
+
+
+def shard_ranges(total: int, count: int) -> list[ShardRange]:
+    """``count`` contiguous slices of ``total`` rows whose sizes differ by one at most."""
     bounds = [total * s // count for s in range(count + 1)]
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
@@ -100,7 +118,7 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
 def model_problems(model: str | None) -> list[Problem]:
     """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
     why = model_unavailable(model)
-    return [Problem(why, field="model")] if why else []
+    return [Problem(why, field="model", code=MODEL_NOT_FOUND)] if why else []
 
 
 def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
@@ -209,7 +227,7 @@ def prepare_job(
     if total == 0:
         staging.unlink(missing_ok=True)
         raise JobRejected([Problem(f"input file {input_path} has no rows")])
-    ranges = shard_ranges(total, options.shards)
+    ranges = shard_ranges(total, shard_count(total, staging.stat().st_size, options))
     _split(staging, job, ranges, kind)
     staging.unlink()
     model_path, model_name = resolve_model(options.model, endpoint)

@@ -110,6 +110,7 @@ class JobDir:
             )
         self.job_id = job_id
         self.root = Path(work_root) / job_id
+        self._manifest: tuple[tuple[int, int, int], JobManifest] | None = None  # (file stamp, parsed)
 
     @property
     def manifest_path(self) -> Path:
@@ -119,7 +120,13 @@ class JobDir:
         return self.manifest_path.exists()
 
     def manifest(self) -> JobManifest:
-        return JobManifest.model_validate_json(self.manifest_path.read_text())
+        """The job's manifest, parsed again only when its file has changed: a job's steps read
+        it once per shard, and a job with thousands of shards has a manifest as long."""
+        st = self.manifest_path.stat()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if self._manifest is None or self._manifest[0] != stamp:
+            self._manifest = (stamp, JobManifest.model_validate_json(self.manifest_path.read_text()))
+        return self._manifest[1]
 
     def shard_dir(self, shard: int) -> Path:
         return self.root / layout.SHARDS_DIR / shard_key(shard)
