@@ -35,7 +35,8 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     return path
 
 
-def chat_row(cid: str, text: str, **body: Any) -> dict[str, Any]:
+def chat_row(cid: str, text: str | list[dict[str, Any]], **body: Any) -> dict[str, Any]:
+    """A chat row of one user message: plain text, or a list of content parts."""
     return {
         "custom_id": cid,
         "method": "POST",
@@ -83,6 +84,26 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from anex_pipeline_tests.tiny_models import build_tiny_vision_model
 
     return build_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-idefics3")
+
+
+@pytest.fixture(scope="session")
+def audio_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random audio-language model (see tiny_models.py), built once per test session."""
+    from anex_pipeline_tests.tiny_models import build_tiny_audio_model
+
+    return build_tiny_audio_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-audio")
+
+
+@pytest.fixture
+def media_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A loopback media server (test_media.MediaServer), and a media cache of the test's own
+    (a ``serve`` process started by the test inherits it)."""
+    from anex_pipeline_tests.test_media import MediaServer
+
+    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
+    s = MediaServer()
+    yield s
+    s.close()
 
 
 def run_job(runner: JobRunner, src: Path, out: Path, options: dict[str, Any] | None = None) -> JobReport:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import read_jsonl, real_engine_resource, run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, real_engine_resource, run_job, write_jsonl
 from anex_pipeline_tests.test_batch_api import content, wait
 from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
 from anex_pipeline_tests.test_stop_real import Served
@@ -37,29 +36,15 @@ pytestmark = pytest.mark.engine
 QUESTION = "What is in the picture?"
 
 
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MediaServer]:
-    """A loopback media server, and a media cache of the test's own (serve's process inherits it)."""
-    monkeypatch.setenv("ANEX_MEDIA_CACHE_DIR", str(tmp_path / "media-cache"))
-    s = MediaServer()
-    yield s
-    s.close()
-
-
 def vision_row(cid: str, *parts: dict[str, Any]) -> dict[str, Any]:
-    content = [{"type": "text", "text": QUESTION}, *parts]
-    return {
-        "custom_id": cid,
-        "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": content}]},
-    }
+    return chat_row(cid, [{"type": "text", "text": QUESTION}, *parts])
 
 
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def vision_options(model: Path, server: MediaServer, **more: Any) -> dict[str, Any]:
+def vision_options(model: Path, media_server: MediaServer, **more: Any) -> dict[str, Any]:
     # reuse_answers off: identical rows must each be generated, or "same image, same answer"
     # would only show that the answer book deduplicates them.
     return {
@@ -67,7 +52,7 @@ def vision_options(model: Path, server: MediaServer, **more: Any) -> dict[str, A
         "max_tokens": 16,
         "temperature": 0,
         "reuse_answers": False,
-        "media": {"allowed_hosts": [f"127.0.0.1:{server.port}"]},
+        "media": {"allowed_hosts": [f"127.0.0.1:{media_server.port}"]},
         **more,
     }
 
@@ -108,16 +93,16 @@ def text_of(line: dict[str, Any]) -> str:
 
 
 def test_images_by_url_and_inline_reach_the_model(
-    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, media_server: MediaServer
 ) -> None:
-    a, b = server.url("/img/a.png"), server.url("/img/b.png")
+    a, b = media_server.url("/img/a.png"), media_server.url("/img/b.png")
     rows = [
         vision_row("a", image(a)),
         vision_row("a-again", image(a)),
         vision_row("a-inline", image(data_url(image_for("/img/a.png")))),
         vision_row("b", image(b)),
         vision_row("a-and-b", image(a), image(b)),
-        vision_row("gone", image(server.url("/missing.png"))),
+        vision_row("gone", image(media_server.url("/missing.png"))),
         vision_row("text"),
         vision_row(
             "sound", {"type": "input_audio", "input_audio": {"data": base64.b64encode(WAV).decode(), "format": "wav"}}
@@ -125,9 +110,9 @@ def test_images_by_url_and_inline_reach_the_model(
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    host = f"127.0.0.1:{server.port}"
+    host = f"127.0.0.1:{media_server.port}"
 
-    report = run_job(real_runner, src, out, vision_options(vision_model, server))
+    report = run_job(real_runner, src, out, vision_options(vision_model, media_server))
 
     assert (report.request_counts.completed, report.request_counts.failed) == (6, 2)
     lines = answers(out)
@@ -147,18 +132,18 @@ def test_images_by_url_and_inline_reach_the_model(
     assert text_of(lines["a"]) == text_of(lines["a-again"]) == text_of(lines["a-inline"])
     assert text_of(lines["a"]) != text_of(lines["b"])
     assert len({text_of(lines[c]) for c in ("a", "b", "a-and-b", "text")}) == 4
-    assert server.hits["/img/a.png"] == server.hits["/img/b.png"] == 1
+    assert media_server.hits["/img/a.png"] == media_server.hits["/img/b.png"] == 1
     first = media_metadata(real_runner)
     assert first["by_host"] == {host: {"downloaded": 2, "from_cache": 0, "failed": 1}}
 
     # Other ids make another job (the same input would resume the finished one).
     src = write_jsonl(tmp_path / "again-in.jsonl", [{**row, "custom_id": f"again-{row['custom_id']}"} for row in rows])
     again = tmp_path / "again.jsonl"
-    report = run_job(real_runner, src, again, vision_options(vision_model, server))
+    report = run_job(real_runner, src, again, vision_options(vision_model, media_server))
 
     assert (report.request_counts.completed, report.request_counts.failed) == (6, 2)
-    assert server.hits["/img/a.png"] == server.hits["/img/b.png"] == 1  # the cache answered
-    assert server.hits["/missing.png"] == 2  # a failure is not cached
+    assert media_server.hits["/img/a.png"] == media_server.hits["/img/b.png"] == 1  # the cache answered
+    assert media_server.hits["/missing.png"] == 2  # a failure is not cached
     second = media_metadata(real_runner)
     assert (second["fetched"], second["from_cache"]) == (0, 2)
     assert second["by_host"] == {host: {"downloaded": 0, "from_cache": 2, "failed": 1}}
@@ -168,12 +153,12 @@ def test_images_by_url_and_inline_reach_the_model(
 
 
 def test_parquet_image_column_of_urls_or_bytes(
-    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, media_server: MediaServer
 ) -> None:
-    a, b = server.url("/img/a.png"), server.url("/img/b.png")
-    by_url = pq_input(tmp_path / "urls.parquet", [a, b, None, server.url("/missing.png")])
+    a, b = media_server.url("/img/a.png"), media_server.url("/img/b.png")
+    by_url = pq_input(tmp_path / "urls.parquet", [a, b, None, media_server.url("/missing.png")])
     by_bytes = pq_input(tmp_path / "bytes.parquet", [image_for("/img/a.png"), image_for("/img/b.png")])
-    options = vision_options(vision_model, server, image_column="picture")
+    options = vision_options(vision_model, media_server, image_column="picture")
 
     url_report = run_job(real_runner, by_url, tmp_path / "urls-out.parquet", options)
     bytes_report = run_job(real_runner, by_bytes, tmp_path / "bytes-out.parquet", options)
@@ -187,7 +172,7 @@ def test_parquet_image_column_of_urls_or_bytes(
     assert all(urls["output"][:3]) and all(from_bytes["output"])
     assert urls["output"][:2] == from_bytes["output"]  # the same pixels, by URL or as bytes
     assert len({*urls["output"][:3]}) == 3  # image a, image b and no image: three answers
-    assert server.hits["/img/a.png"] == server.hits["/img/b.png"] == 1
+    assert media_server.hits["/img/a.png"] == media_server.hits["/img/b.png"] == 1
 
 
 def pq_input(path: Path, pictures: list[Any]) -> Path:
@@ -196,16 +181,19 @@ def pq_input(path: Path, pictures: list[Any]) -> Path:
 
 
 def test_a_vision_job_from_dagster_shows_media_per_host(
-    tmp_path: Path, real_runner: JobRunner, vision_model: Path, server: MediaServer
+    tmp_path: Path, real_runner: JobRunner, vision_model: Path, media_server: MediaServer
 ) -> None:
     """The job's assets materialized straight from Dagster, as the UI's launchpad does."""
-    rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("gone", image(server.url("/missing.png")))]
+    rows = [
+        vision_row("a", image(media_server.url("/img/a.png"))),
+        vision_row("gone", image(media_server.url("/missing.png"))),
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "ui.jsonl"
     d = build_definitions(StorageResource(work_root=str(tmp_path / "work")), real_engine_resource(keep_loaded=True))
     with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions(JOBS, ["vision"])
-        config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, server)}
+        config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, media_server)}
         submit = {"ops": {"validated_input": {"config": config}}}
         for job, key, run_config in (
             ("submit_job", "vision", submit),
@@ -219,7 +207,7 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
             assert result.success
             if job == "shard_job":
                 media = result.asset_materializations_for_node("fetched_media")[0].metadata
-    host = f"127.0.0.1:{server.port}"
+    host = f"127.0.0.1:{media_server.port}"
     assert media["by_host"].value == {host: {"downloaded": 1, "from_cache": 0, "failed": 1}}
     assert media["failed_by_code"].value == {"404": 1}
     lines = answers(out)
@@ -227,11 +215,14 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     assert lines["gone"]["error"]["type"] == "media_fetch_error"
 
 
-def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, server: MediaServer) -> None:
+def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, media_server: MediaServer) -> None:
     """The openai SDK against ``anex-pipeline serve`` in its own process, which loads the model."""
-    rows = [vision_row("a", image(server.url("/img/a.png"))), vision_row("inline", image(data_url(image_for("/b"))))]
+    rows = [
+        vision_row("a", image(media_server.url("/img/a.png"))),
+        vision_row("inline", image(data_url(image_for("/b")))),
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{server.port}", "--max-model-len", "2048")
+    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{media_server.port}", "--max-model-len", "2048")
     try:
         with src.open("rb") as f:
             uploaded = served.sdk.files.create(file=f, purpose="batch")
@@ -252,4 +243,4 @@ def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, server
     for row in output:
         body = ChatCompletion.model_validate(row["response"]["body"])
         assert body.usage is not None and body.usage.prompt_tokens > VISION_IMAGE_TOKENS
-    assert server.hits["/img/a.png"] == 1
+    assert media_server.hits["/img/a.png"] == 1

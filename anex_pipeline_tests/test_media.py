@@ -61,6 +61,20 @@ def wav_bytes() -> bytes:
     return out.getvalue()
 
 
+def tone_wav(hz: int, rate: int = 16000, seconds: float = 0.5) -> bytes:
+    """A real 16-bit mono WAV of a square wave at ``hz`` (rounded to whole samples per cycle)."""
+    period = max(2, rate // hz)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(
+            b"".join(struct.pack("<h", 8000 if i % period < period // 2 else -8000) for i in range(int(rate * seconds)))
+        )
+    return out.getvalue()
+
+
 MP4 = struct.pack(">I", 24) + b"ftypisom" + struct.pack(">I", 512) + b"isomiso2"
 WAV = wav_bytes()
 
@@ -155,6 +169,8 @@ class MediaServer:
             self._send(req, 200, image_for(path))
         elif path == "/sound.wav":
             self._send(req, 200, WAV, "audio/wav")
+        elif path.startswith("/tone/"):  # /tone/<hz>.wav
+            self._send(req, 200, tone_wav(int(path.removeprefix("/tone/").removesuffix(".wav"))), "audio/wav")
         elif path == "/clip.mp4":
             self._send(req, 200, MP4, "video/mp4")
         elif path == "/page.html":

@@ -1,5 +1,5 @@
 """Tiny random models built offline, for tests that need a reasoning or tool-calling model format,
-or a model that reads images (:func:`build_tiny_vision_model`).
+or a model that reads images (:func:`build_tiny_vision_model`) or sounds (:func:`build_tiny_audio_model`).
 
 The weights are random, so the generated text is noise; what matters is that the tokenizer knows
 every model family's special tokens (so vLLM's parsers find them in the vocabulary) and that the
@@ -79,10 +79,20 @@ VISION_TOKENS = (
     "<global-img>",
     *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
 )
+# The sizes of every tiny media encoder (vision tower, audio encoder), in transformers' common names.
+ENCODER_FIELDS = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HIDDEN // HEAD_DIM,
+}
 VISION_IMAGE_SIZE = 112
 VISION_PATCH = 14
 VISION_SCALE = 2  # the connector merges VISION_SCALE**2 patches into one token
 VISION_IMAGE_TOKENS = (VISION_IMAGE_SIZE // VISION_PATCH) ** 2 // VISION_SCALE**2
+AUDIO_TOKEN = "<|AUDIO|>"
+AUDIO_TOKENS = ("<|audio_bos|>", AUDIO_TOKEN, "<|audio_eos|>")  # Qwen2-Audio's markers around a sound
+AUDIO_RATE = 16000  # the feature extractor's sampling rate: sounds at this rate need no resampling
 
 
 def build_tokenizer(folder: Path, extra_special: tuple[str, ...] = ()) -> Any:
@@ -130,18 +140,26 @@ def decoder_fields(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+def save_random(model_class: Any, config: Any, folder: Path, *, seed: int) -> None:
+    """Saves a ``model_class`` of ``config`` with random float32 weights (the same for a seed)."""
+    import torch
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    text = config.get_text_config()
+    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    model.save_pretrained(folder)
+
+
 def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
     """A random 2-layer Qwen3 with the tokenizer above, saved as a folder vLLM can load."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
     config = Qwen3Config(**decoder_fields(tokenizer), tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    model.save_pretrained(folder)
+    save_random(Qwen3ForCausalLM, config, folder, seed=seed)
     return folder
 
 
@@ -155,9 +173,7 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
     VISION_IMAGE_SIZE square and becomes VISION_IMAGE_TOKENS tokens (the patches, merged four to
     one by the connector) between its marker tokens.
     """
-    import torch
     from transformers import (
-        GenerationConfig,
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessorPil,
@@ -169,14 +185,7 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, extra_special=VISION_TOKENS)
     text = LlamaConfig(**decoder_fields(tokenizer), tie_word_embeddings=False)
-    vision = Idefics3VisionConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        image_size=VISION_IMAGE_SIZE,
-        patch_size=VISION_PATCH,
-    )
+    vision = Idefics3VisionConfig(**ENCODER_FIELDS, image_size=VISION_IMAGE_SIZE, patch_size=VISION_PATCH)
     config = Idefics3Config(
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),
@@ -185,10 +194,7 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
-    model.save_pretrained(folder)
+    save_random(Idefics3ForConditionalGeneration, config, folder, seed=seed)
     side = {"longest_edge": VISION_IMAGE_SIZE}
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
     processor = Idefics3Processor(
@@ -196,6 +202,56 @@ def build_tiny_vision_model(folder: Path, *, seed: int = 0) -> Path:
     )
     processor.save_pretrained(folder)
     return folder
+
+
+def build_tiny_audio_model(folder: Path, *, seed: int = 0) -> Path:
+    """A random Qwen2-Audio (a 2-layer Whisper-style audio encoder, a linear projector and a
+    2-layer Qwen2) with its real processor (Whisper's feature extractor: 128 mel bins at 16 kHz)
+    and the tokenizer above plus Qwen2-Audio's audio tokens, saved as a folder vLLM can load.
+
+    Qwen2-Audio rather than Ultravox: every part of it is in transformers, while Ultravox's
+    processor is remote code. A sound becomes one mel frame per 10 ms, which the encoder's strided
+    convolution and then its pooling each halve (0.5 s: 50 frames, 25, then 12 audio tokens,
+    between its marker tokens).
+    """
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        Qwen2Config,
+        WhisperFeatureExtractor,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder, extra_special=AUDIO_TOKENS)
+    text = Qwen2Config(**decoder_fields(tokenizer), tie_word_embeddings=False)
+    audio = Qwen2AudioEncoderConfig(**ENCODER_FIELDS, num_mel_bins=128)
+    config = Qwen2AudioConfig(
+        audio_config=audio.to_dict(),
+        text_config=text.to_dict(),
+        audio_token_index=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    save_random(Qwen2AudioForConditionalGeneration, config, folder, seed=seed)
+    _undouble_language_model_keys(folder / "model.safetensors")
+    sounds = WhisperFeatureExtractor(feature_size=128, sampling_rate=AUDIO_RATE)
+    Qwen2AudioProcessor(feature_extractor=sounds, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(
+        folder
+    )
+    return folder
+
+
+def _undouble_language_model_keys(weights: Path) -> None:
+    """transformers 5 saves Qwen2-Audio's decoder as ``language_model.model.model.*`` (its
+    renaming to the new layout, undone twice on the way out); vLLM and the published checkpoints
+    name it ``language_model.model.*``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    renamed = {k.replace("language_model.model.model.", "language_model.model.", 1): v for k, v in tensors.items()}
+    save_file(renamed, weights, metadata={"format": "pt"})
 
 
 def write_config(folder: Path, **fields: object) -> Path:

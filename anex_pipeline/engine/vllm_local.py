@@ -51,6 +51,7 @@ from anex_pipeline.engine.parsing import (
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
+from anex_pipeline.media.audio import audio_problem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
@@ -160,6 +161,7 @@ class VllmLocalEngine:
         self._request_ids = itertools.count()
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
         self.modalities = _modalities(self.llm) if self.multimodal else frozenset()
+        self.audio_rate = _fixed_audio_rate(self.llm) if "audio" in self.modalities else None
         names = ParserNames(settings.reasoning_parser, settings.tool_parser)
         # vLLM's server reads GPT-OSS output as harmony channels; so do we.
         harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
@@ -235,7 +237,8 @@ class VllmLocalEngine:
 
     def _has_media(self, messages: list[dict[str, Any]]) -> bool:
         """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
-        the model cannot read, as vLLM's own refusal would not name the part."""
+        the model cannot read or a sound it cannot decode, as vLLM's own refusal would not name
+        the part (nor, for a sound, the reason)."""
         found = False
         for n, message in enumerate(messages):
             content = message.get("content")
@@ -251,6 +254,9 @@ class VllmLocalEngine:
                         f"remove the part or run the job on a model that reads {word}",
                         f"messages[{n}].content[{p}]",
                     )
+                problem = audio_problem(kind, part.get(kind), self.audio_rate) if modality == "audio" else None
+                if problem is not None:
+                    raise RequestProblem(problem, f"messages[{n}].content[{p}]")
                 found = True
         return found
 
@@ -618,6 +624,18 @@ def _modalities(llm: Any) -> frozenset[str]:
     """The kinds of media (vLLM's names: image, audio, video) a multimodal model reads."""
     limits = llm.renderer.get_mm_processor().info.allowed_mm_limits
     return frozenset(kind for kind, most in limits.items() if most > 0)
+
+
+def _fixed_audio_rate(llm: Any) -> int | None:
+    """The sampling rate every sound must already have for an audio model, or None when vLLM can
+    bring a sound to the model's rate: it resamples with torchaudio, which the CPU build lacks."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchaudio") is not None:
+        return None
+    extractor = getattr(llm.renderer.get_mm_processor().info.get_hf_processor(), "feature_extractor", None)
+    rate = getattr(extractor, "sampling_rate", None)
+    return int(rate) if rate else None
 
 
 def _embedding_text(value: Any) -> str:
