@@ -112,13 +112,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
     g.add_argument(
         "--base-url",
+        action="append",
         default=None,
         metavar="URL",
-        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here",
+        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here; "
+        "repeat it (or give a comma-separated list) for replicas of one model",
     )
     g.add_argument("--api-key", default=None, help="bearer token for --base-url; default: $ANEX_API_KEY")
     g.add_argument(
-        "--max-concurrency", type=int, default=32, help="with --base-url: requests in flight at once (default: 32)"
+        "--max-concurrency",
+        type=int,
+        default=32,
+        help="with --base-url: requests in flight at once per server (default: 32)",
     )
 
 
@@ -352,11 +357,21 @@ def _runner(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         memory_share=args.memory_share,
-        base_url=args.base_url,
+        base_url=_base_url(args.base_url),
         api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
         max_concurrency=args.max_concurrency,
     )
     return JobRunner(_instance(), storage, engine)
+
+
+def _base_url(given: list[str] | None) -> str | None:
+    """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
+    from anex_pipeline.engine.replicas import server_urls
+
+    try:
+        return ",".join(server_urls(given)) or None
+    except ValueError as exc:
+        raise UsageError(f"--base-url: {exc}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -24,21 +24,35 @@ from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
-_timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
+_sums_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
+
+
+def _add_to(path: Path, amounts: dict[str, float]) -> None:
+    """Adds to the figures a JSON file of the job folder keeps (summed over shards and reruns)."""
+    with _sums_lock:
+        sums = json.loads(path.read_text()) if path.exists() else {}
+        for name, amount in amounts.items():
+            sums[name] = round(sums.get(name, 0) + amount, 3)
+        atomic_write_text(path, json.dumps(sums, indent=2))
+
+
+def _read_sums(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def record_timing(job: JobDir, stage: str, seconds: float) -> None:
-    """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
-    path = job.root / "timings.json"
-    with _timings_lock:
-        timings = json.loads(path.read_text()) if path.exists() else {}
-        timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
-        atomic_write_text(path, json.dumps(timings, indent=2))
+    """Adds a stage's seconds to the job's timings."""
+    _add_to(job.root / "timings.json", {stage: seconds})
 
 
 def read_timings(job: JobDir) -> dict[str, float]:
-    path = job.root / "timings.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return _read_sums(job.root / "timings.json")
+
+
+def record_served(job: JobDir, rows_by_server: dict[str, int]) -> None:
+    """Adds to the rows each model server answered for the job (HTTP engine)."""
+    if rows_by_server:
+        _add_to(job.root / "served_by.json", rows_by_server)
 
 
 class _Tally:
@@ -254,6 +268,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         output_tokens=tally.length_percentiles(),
         reused_answer_rows=tally.reused,
         reused_sample_rows=_reused_sample_rows(job, manifest),
+        served_by=_read_sums(job.root / "served_by.json"),
         cost=_cost(manifest, usage),
     )
 

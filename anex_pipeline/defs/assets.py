@@ -25,7 +25,7 @@ from anex_pipeline.estimate import estimate_lengths
 from anex_pipeline.generate import run_shard
 from anex_pipeline.jobs import JobDir, prepare_job
 from anex_pipeline.ledger import account_rows
-from anex_pipeline.merge import merge_job, nothing_delivered, record_timing, result_path
+from anex_pipeline.merge import merge_job, nothing_delivered, record_served, record_timing, result_path
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
@@ -210,6 +210,7 @@ def generations(
         summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
+    record_served(job, dict(summary.served_by))
     return dg.MaterializeResult(metadata=summary.as_metadata())
 
 
