@@ -179,15 +179,16 @@ class OpenAIHttpEngine:
             "set the job's model to one of those, or start the server with --served-model-name"
         )
 
-    def _probe(self, server: Server) -> str | None:
-        """Whether a server that was taken out can have rows again: None if so, else why not."""
+    def _probe(self, server: Server) -> None:
+        """Asks a server that was taken out whether it can have rows again, and records the answer."""
+        error = None
         try:
             self._check(server, min(self.settings.timeout_s, PROBE_TIMEOUT_S))
         except httpx.TransportError as exc:
-            return repr(exc)
+            error = repr(exc)
         except (_Retryable, _Unusable) as exc:
-            return str(exc)
-        return None
+            error = str(exc)
+        self.pool.probed(server, error)
 
     # -- rows ------------------------------------------------------------------------------------
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
@@ -213,14 +214,15 @@ class OpenAIHttpEngine:
             while True:
                 for server in self.pool.probes_due():
                     flying[executor.submit(self._probe, server)] = (server, None)
-                while (server := self.pool.pick()) is not None:
+                while self.pool.has_room():
                     row = _next_row(waiting, source)
                     if row is None:  # none due, and the source has no more
                         more = False
                         break
-                    if row.last_server is not None:  # a row tried again goes elsewhere if it can
-                        server = self.pool.pick(avoid=row.last_server) or server
-                    server.in_flight += 1
+                    server = self.pool.reserve(avoid=row.last_server)  # a row tried again goes elsewhere if it can
+                    if server is None:  # another stream on the engine took the slot
+                        heapq.heappush(waiting, (time.monotonic(), next(order), row))
+                        break
                     flying[executor.submit(self._try, server, row.req)] = (server, row)
                 if not flying and not waiting and not more:
                     break
@@ -234,18 +236,14 @@ class OpenAIHttpEngine:
                     finished = set()
                 for future in finished:
                     server, row = flying.pop(future)
-                    if row is None:
-                        self.pool.probed(server, future.result())
+                    if row is None:  # a probe (it recorded its result itself)
                         continue
-                    server.in_flight -= 1
                     tried: _Tried = future.result()
                     row.tries += 1
                     row.last_server = server
                     if tried.retry == "no answer":
                         self.pool.take_out(server, tried.reason)
                     if tried.retry is None or not policy.may_retry(row.tries):
-                        if tried.retry is None:
-                            server.served += 1
                         done.append(self._final(row, tried))
                         continue
                     # A server that gave no answer is out: the row may go at once to another one.
@@ -257,12 +255,17 @@ class OpenAIHttpEngine:
                 if stop is not None:
                     stop()
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+            for future, (server, row) in flying.items():  # what never started gives its slot back
+                if future.cancel() and row is not None:
+                    self.pool.release(server, answered=False)
+                elif future.cancelled():
+                    self.pool.probe_dropped(server)
+            executor.shutdown(wait=False)
 
     def _pause(self, waiting: list[tuple[float, int, _Row]]) -> float:
         """How long the dispatcher may wait for a request to finish before it has other work."""
         soonest = [STOP_POLL_S]
-        if waiting and self.pool.pick() is not None:
+        if waiting and self.pool.has_room():
             soonest.append(max(0.0, waiting[0][0] - time.monotonic()))
         if (probe := self.pool.next_probe_in()) is not None:
             soonest.append(probe)
@@ -278,7 +281,15 @@ class OpenAIHttpEngine:
         return tried.outcome
 
     def _try(self, server: Server, req: EngineRequest) -> _Tried:
-        """One request for the row on one server."""
+        """One request for the row on one server, whose slot it gives back when done."""
+        tried = None
+        try:
+            tried = self._request(server, req)
+            return tried
+        finally:
+            self.pool.release(server, answered=tried is not None and tried.retry is None)
+
+    def _request(self, server: Server, req: EngineRequest) -> _Tried:
         body = request_body(req, self.model_name)
         try:
             path, headers = ENDPOINT_PATHS[req.endpoint], {"X-Request-Id": req.request_id}

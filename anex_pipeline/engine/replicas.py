@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -55,55 +56,78 @@ class Server:
     probe_at: float = 0.0  # monotonic time of its next probe, while it is out
     probing: bool = False
     reason: str = ""  # why it was taken out
-    served: int = field(default=0)  # rows it answered over the engine's life
+    served: int = 0  # rows it answered over the engine's life
 
 
 class ServerPool:
-    """Which servers are up and how busy each is. Used from the engine's dispatching thread only."""
+    """Which servers are up and how busy each is; shared by the streams running on the engine."""
 
     def __init__(self, servers: list[Server], per_server: int, policy: RetryPolicy):
         self.servers = servers
         self.per_server = per_server
         self.policy = policy
+        self._lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
         return self.per_server * len(self.servers)
 
-    def pick(self, avoid: Server | None = None) -> Server | None:
-        """The least busy server that is up and has room, other than ``avoid`` if there is one."""
-        ready = [s for s in self.servers if s.up and s.in_flight < self.per_server]
-        preferred = [s for s in ready if s is not avoid] or ready
-        return min(preferred, key=lambda s: s.in_flight, default=None)
+    def has_room(self) -> bool:
+        return any(s.up and s.in_flight < self.per_server for s in self.servers)
+
+    def reserve(self, avoid: Server | None = None) -> Server | None:
+        """A slot on the least busy server that is up and has room, other than ``avoid`` if
+        there is one; give it back with :meth:`release`."""
+        with self._lock:
+            ready = [s for s in self.servers if s.up and s.in_flight < self.per_server]
+            preferred = [s for s in ready if s is not avoid] or ready
+            server = min(preferred, key=lambda s: s.in_flight, default=None)
+            if server is not None:
+                server.in_flight += 1
+            return server
+
+    def release(self, server: Server, answered: bool) -> None:
+        with self._lock:
+            server.in_flight -= 1
+            server.served += int(answered)
 
     def any_up(self) -> bool:
         return any(s.up for s in self.servers)
 
     def take_out(self, server: Server, reason: str) -> None:
-        if not server.up:
-            return
-        server.up, server.failed_probes, server.reason = False, 0, reason
-        server.probe_at = time.monotonic() + self.policy.backoff(0)
-        others = sum(s.up for s in self.servers)
+        with self._lock:
+            if not server.up:
+                return
+            server.up, server.failed_probes, server.reason = False, 0, reason
+            server.probe_at = time.monotonic() + self.policy.backoff(0)
+            others = sum(s.up for s in self.servers)
         log.warning("model server %s taken out (%s); %d other(s) still up", server.root, reason, others)
 
     def probes_due(self) -> list[Server]:
         now = time.monotonic()
-        due = [s for s in self.servers if not s.up and not s.probing and s.probe_at <= now]
-        for server in due:
-            server.probing = True
+        with self._lock:
+            due = [s for s in self.servers if not s.up and not s.probing and s.probe_at <= now]
+            for server in due:
+                server.probing = True
         return due
 
     def probed(self, server: Server, error: str | None) -> None:
         """Records a probe's result: ``error`` None puts the server back."""
-        server.probing = False
+        with self._lock:
+            server.probing = False
+            if error is None:
+                server.up, server.reason = True, ""
+            else:
+                server.reason = error
+                server.failed_probes += 1
+                server.probe_at = time.monotonic() + self.policy.backoff(server.failed_probes)
         if error is None:
-            server.up, server.reason = True, ""
             log.warning("model server %s answers again; sending it rows", server.root)
-            return
-        server.reason = error
-        server.failed_probes += 1
-        server.probe_at = time.monotonic() + self.policy.backoff(server.failed_probes)
+
+    def probe_dropped(self, server: Server) -> None:
+        """A probe that never ran: the next stream probes the server instead."""
+        with self._lock:
+            server.probing = False
 
     def next_probe_in(self) -> float | None:
         waiting = [s.probe_at for s in self.servers if not s.up and not s.probing]
