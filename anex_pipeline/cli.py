@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
     )
+    srv.add_argument(
+        "--max-running-batches",
+        type=int,
+        default=4,
+        metavar="N",
+        help="batches generating at once, their rows batched together on the one engine (default: 4)",
+    )
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _engine_flags(srv)
@@ -546,9 +553,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif os.environ.get("ANEX_BATCH_API_KEYS"):
         keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
     media = _media_policy(args)
+    if args.max_running_batches < 1:
+        raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
     runner = _runner(args)
     try:
-        app = create_app(runner, keys, media=media)
+        app = create_app(runner, keys, media=media, max_running_batches=args.max_running_batches)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     try:

@@ -149,7 +149,7 @@ class OpenAIHttpEngine:
                 names = "; ".join(f"{s.root}: {reason}" for s, reason in errors.items())
                 raise ServerUnavailable(f"cannot reach the model server at {names}")
             log.info("no model server answers yet; trying again")
-            time.sleep(min(policy.backoff(attempt), policy.max_wait_s))
+            time.sleep(policy.backoff(attempt))
 
     def _check(self, server: Server, timeout_s: float) -> None:
         """Asks the server for its models; the first server to answer sets the model name."""

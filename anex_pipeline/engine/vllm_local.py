@@ -274,7 +274,7 @@ class VllmLocalEngine:
         self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
     ) -> Iterator[list[RowOutcome]]:
         """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
-        the engine has room (at least ``group_rows`` in flight), and the rows each engine step
+        the engine has room (``group_rows`` plays no part), and the rows each engine step
         finished come back after that step. A row vLLM refuses fails alone. ``stop`` is called
         before every step; when it raises, or the generator is closed early, the rows still in
         flight are aborted. Streams running at once in several threads share the engine
@@ -284,7 +284,9 @@ class VllmLocalEngine:
             yield from in_groups(self._embed, source, group_rows, stop)
             return
         engine = self.llm.llm_engine
-        room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
+        # Twice what the engine runs at once keeps it full; more would only wait in vLLM's queue,
+        # first come first served, where a stream that starts later would wait behind it.
+        room = 2 * engine.vllm_config.scheduler_config.max_num_seqs
         lane = self.lanes.join()
         done: list[RowOutcome] = []
         more = True
