@@ -25,10 +25,11 @@ import dagster as dg
 
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.defs.partitions import JOBS
-from anex_pipeline.defs.sensors import IN_FLIGHT, LAUNCHED_BY_TAG, driven_by_cli, job_of_run, runs_of_job, try_lease
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
 from anex_pipeline.spec import JobReport
+from anex_pipeline.workdir.lease import driven_by_cli, try_lease
+from anex_pipeline.workdir.manifest import JobDir
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*")
@@ -89,7 +90,7 @@ def in_flight_jobs(instance: dg.DagsterInstance) -> set[str]:
 def job_status(job: JobDir, in_flight: set[str]) -> str:
     if job.job_id in in_flight or driven_by_cli(job):
         return "running"
-    report = job.root / "report.json"
+    report = job.report_path
     return JobReport.model_validate_json(report.read_text()).status if report.exists() else "unfinished"
 
 

@@ -18,17 +18,19 @@ from typing import IO, Any
 
 import dagster as dg
 
-from anex_pipeline.definitions import build_definitions
-from anex_pipeline.defs.partitions import JOBS, job_shard_key
-from anex_pipeline.defs.resources import EngineResource, StorageResource
-from anex_pipeline.defs.sensors import LAUNCHED_BY_TAG, step_error_message, take_lease
 from anex_pipeline.engine import release_engines
-from anex_pipeline.jobs import JobDir, JobManifest, prepare_job, unfinished_shards
-from anex_pipeline.merge import record_timing
+from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, step_error_message
 from anex_pipeline.spec import JobReport
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
 from anex_pipeline.storage import is_s3
 from anex_pipeline.validate import parse_options
+from anex_pipeline.workdir.lease import take_lease
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, unfinished_shards
+from anex_pipeline.workdir.timing import record_timing
 
 log = logging.getLogger("anex_pipeline.progress")
 
@@ -126,7 +128,7 @@ class JobRunner:
             if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
                 job.record_stop(str(exc))
         self._execute("finish_job", job.job_id)
-        return JobReport.model_validate_json((job.root / "report.json").read_text())
+        return JobReport.model_validate_json(job.report_path.read_text())
 
     def _hold(self, job: JobDir) -> None:
         if job.job_id not in self._leases:

@@ -23,7 +23,7 @@ from types import FrameType
 from typing import TypeVar
 
 from anex_pipeline.engine.watchdog import EngineProcessDied
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.workdir.manifest import JobDir
 
 T = TypeVar("T")
 

@@ -271,7 +271,7 @@ def parse_options(raw: dict[str, Any]) -> JobOptions:
         if found:
             raise JobRejected([Problem(m + " (options)", field=f) for f, m in found])
     if options.reasoning_parser is not None or options.tool_parser is not None:
-        from anex_pipeline.parsing import ParserChoiceError, check_parser_names  # imports vLLM
+        from anex_pipeline.engine.parsing import ParserChoiceError, check_parser_names  # imports vLLM
 
         try:
             check_parser_names(options.reasoning_parser, options.tool_parser)

@@ -10,7 +10,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
 from anex_pipeline_tests.fakes import FakeEngineResource

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 
 from anex_pipeline import cli
-from anex_pipeline.defs import resources
 from anex_pipeline.engine.base import Engine, EngineRequest
-from anex_pipeline.jobs import JobManifest
+from anex_pipeline.orchestration import resources
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 
 

@@ -1,10 +1,10 @@
-"""A code location like ``anex_pipeline.definitions`` with the fake engine behind it, for tests that
+"""A code location like ``anex_pipeline.orchestration.definitions`` with the fake engine behind it, for tests that
 drive Dagster's own processes (``dagster job backfill``, the webserver): those processes load the
 code themselves, so the engine cannot be swapped from the test. Work files go to ANEX_WORK_DIR."""
 
 from __future__ import annotations
 
-from anex_pipeline.definitions import build_definitions
+from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline_tests.fakes import FakeEngineResource
 
 defs = build_definitions(engine=FakeEngineResource())

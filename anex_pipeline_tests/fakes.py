@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
-from anex_pipeline.defs.resources import EngineResource
 from anex_pipeline.engine.base import Engine, EngineRequest, rejected
-from anex_pipeline.jobs import JobManifest
-from anex_pipeline.media import media_references
+from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
+from anex_pipeline.media.refs import media_references
+from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest
 
 
 class FakeEngine:

@@ -8,10 +8,10 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 
-from anex_pipeline.definitions import build_definitions
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck
-from anex_pipeline.jobs import JobManifest
+from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 
 

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.formats import arrow_checkpoint, parquet
-from anex_pipeline.jobs import JobDir, prepare_job
-from anex_pipeline.merge import merge_job, result_path
 from anex_pipeline.spec import JobOptions, RowError, RowOutcome
+from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.submit import prepare_job
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 

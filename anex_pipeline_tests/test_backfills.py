@@ -17,12 +17,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from anex_pipeline.defs.assets import generations
-from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.engine.base import Engine, EngineRequest, engine_failure
-from anex_pipeline.jobs import JobManifest, unfinished_shards
+from anex_pipeline.orchestration.assets import generations
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest, unfinished_shards
 from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 

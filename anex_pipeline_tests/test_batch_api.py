@@ -25,8 +25,8 @@ from openai import OpenAI
 from openai.types import Batch
 
 from anex_pipeline.batch_api.app import create_app
-from anex_pipeline.cli import UsageError, _media_policy, build_parser
-from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from anex_pipeline.defs.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.fake_cli import SlowFakeEngineResource

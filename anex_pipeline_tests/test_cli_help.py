@@ -10,6 +10,7 @@ from importlib.metadata import version
 import pytest
 
 from anex_pipeline import cli
+from anex_pipeline.cli.parser import BOOL_FLAGS, OPTION_FLAGS, build_parser
 
 
 def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -20,13 +21,13 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 
 
 def test_every_job_flag_has_help_that_names_its_default() -> None:
-    parser = cli.build_parser()
+    parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     run = commands.choices["run"]
     flags = {opt: action for action in run._actions for opt in action.option_strings}
-    for flag, _, _ in cli.OPTION_FLAGS:
+    for flag, _, _ in OPTION_FLAGS:
         assert flags[flag].help, f"{flag} has no help"
-    for flag, _ in cli.BOOL_FLAGS:
+    for flag, _ in BOOL_FLAGS:
         assert flags[flag].help, f"{flag} has no help"
     # max_tokens is a cap for rows without their own, estimated when unset: the help says both
     assert "cap" in flags["--max-tokens"].help and "estimated" in flags["--max-tokens"].help

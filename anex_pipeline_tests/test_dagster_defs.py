@@ -10,9 +10,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from anex_pipeline.definitions import build_definitions, defs
-from anex_pipeline.defs.partitions import JOBS, job_shard_key
-from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.orchestration.definitions import build_definitions, defs
+from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource

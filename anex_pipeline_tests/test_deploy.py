@@ -29,7 +29,7 @@ from dagster_k8s import K8sRunLauncher, k8s_job_executor
 from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
 from dagster_postgres import DagsterPostgresStorage
 
-from anex_pipeline.definitions import defs
+from anex_pipeline.orchestration.definitions import defs
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -178,7 +178,7 @@ def test_dockerfiles_install_what_the_project_pins() -> None:
         name, version = pin.split("==")
         assert lock_pins()[name] == version == lock_pins()["dagster-aws"]
     for text in (cpu, gpu):
-        assert 'python -c "from anex_pipeline.models import prepare_default_chat_model as p; p()"' in text
+        assert 'python -c "from anex_pipeline.engine.models import prepare_default_chat_model as p; p()"' in text
         users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
         assert users and all(u.split(":")[0].isdigit() and u.split(":")[0] != "0" for u in users)
 
@@ -236,7 +236,7 @@ def test_helm_values_configure_the_production_setup() -> None:
     values = helm_values()
     (deployment,) = values["dagster-user-deployments"]["deployments"]
     # The code server loads this project's definitions, the object `dagster api grpc -m` finds.
-    assert deployment["dagsterApiGrpcArgs"] == ["-m", "anex_pipeline.definitions"]
+    assert deployment["dagsterApiGrpcArgs"] == ["-m", "anex_pipeline.orchestration.definitions"]
     assert {"submit_job", "shard_job"} <= {job.name for job in defs.resolve_all_job_defs()}
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
     assert values["postgresql"]["postgresqlScheme"] == "postgresql+psycopg2"

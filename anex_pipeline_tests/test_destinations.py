@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from anex_pipeline import cli
+from anex_pipeline.cli import commands
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_sensors import local_deployment, submitted
@@ -85,7 +86,7 @@ def test_no_output_or_report_path_writes_over_what_the_job_reads(
     report: tuple[str, str] | None,
     options: tuple[str, str] | None,
 ) -> None:
-    monkeypatch.setattr(cli, "_runner", lambda args: fake_runner)
+    monkeypatch.setattr(commands, "_runner", lambda args: fake_runner)
     with tempfile.TemporaryDirectory(dir=tmp_path) as folder, monkeypatch.context() as m:
         root = Path(folder)
         m.chdir(root)
@@ -110,7 +111,7 @@ def test_no_output_or_report_path_writes_over_what_the_job_reads(
 def test_refusal_names_what_would_be_overwritten(
     fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_runner", lambda args: fake_runner)
+    monkeypatch.setattr(commands, "_runner", lambda args: fake_runner)
     monkeypatch.chdir(tmp_path)
     make_folder(tmp_path)
     assert cli.main(["run", "in.jsonl", "-o", "out.jsonl", "--options", "opts.json", "--report", "hard_opts"]) == 2
@@ -199,7 +200,7 @@ def test_fifos_and_folders_are_refused_without_waiting(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(cli, "_runner", lambda args: fake_runner)
+    monkeypatch.setattr(commands, "_runner", lambda args: fake_runner)
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "hi")])
     (tmp_path / "sub").mkdir()

@@ -17,14 +17,14 @@ import dagster as dg
 import pytest
 
 from anex_pipeline import engine as engines
-from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine import EngineSettings, load_engine, release_engines
+from anex_pipeline.engine.models import local_model_path, resolve_model
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_processes
-from anex_pipeline.generate import run_shard
-from anex_pipeline.jobs import prepare_job
-from anex_pipeline.merge import merge_job, result_path
-from anex_pipeline.models import local_model_path, resolve_model
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 

@@ -11,8 +11,8 @@ import pytest
 
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.vllm_local import VllmLocalEngine
-from anex_pipeline.jobs import prepare_job
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 

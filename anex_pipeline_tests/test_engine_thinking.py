@@ -17,8 +17,8 @@ import dagster as dg
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.defs.resources import EngineResource, StorageResource
-from anex_pipeline.parsing import BUDGET_NOTICE
+from anex_pipeline.engine.parsing import BUDGET_NOTICE
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model

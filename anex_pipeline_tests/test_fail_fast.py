@@ -17,11 +17,10 @@ import boto3
 import pytest
 
 from anex_pipeline import engine as engine_module
-from anex_pipeline import models
 from anex_pipeline.cli import main
-from anex_pipeline.defs import resources
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.engine import vllm_local
+from anex_pipeline.engine import models, vllm_local
+from anex_pipeline.orchestration import resources
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
@@ -321,9 +320,9 @@ def test_bad_request_bodies_are_refused_at_submit_line_by_line(
 def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it(
     tmp_path: Path, instance: Any, base_url: str | None
 ) -> None:
-    from anex_pipeline.definitions import build_definitions
-    from anex_pipeline.defs.partitions import JOBS
-    from anex_pipeline.defs.sensors import step_error_message
+    from anex_pipeline.orchestration.definitions import build_definitions
+    from anex_pipeline.orchestration.partitions import JOBS
+    from anex_pipeline.orchestration.runs import step_error_message
     from anex_pipeline.runner import _first_error
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))

@@ -22,12 +22,12 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.cli import main
-from anex_pipeline.completions import Generated, chat_completion
-from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.completions import Generated, chat_completion
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
 from anex_pipeline.engine.replicas import ServersDown
-from anex_pipeline.models import DEFAULT_CHAT_MODEL
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.vllm_serve import free_port, vllm_servers

@@ -17,7 +17,7 @@ PROCESSES = 4
 CREATE = """
 import os, sys, time
 from pathlib import Path
-from anex_pipeline.cli import _instance
+from anex_pipeline.cli.commands import _instance
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 ready.touch()
 while not go.exists():

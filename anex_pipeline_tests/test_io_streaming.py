@@ -14,11 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline import jobs, merge
-from anex_pipeline.formats import decode_stored_outcome, jsonl, parquet
-from anex_pipeline.jobs import JobDir, append_outcomes, latest_records, prepare_job
-from anex_pipeline.merge import merge_job, result_path
+from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint, parquet
+from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
 from anex_pipeline.spec import JobOptions, JobRejected, RowError, RowOutcome
+from anex_pipeline.stages import merge
+from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.submit import prepare_job
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 
@@ -73,8 +75,8 @@ def merged_texts(path: Path, rows: int) -> dict[int, str]:
 def test_checkpoint_merge_takes_the_latest_readable_line_per_row_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch_bytes: int, open_runs: int
 ) -> None:
-    monkeypatch.setattr(jobs, "PATCH_BYTES", patch_bytes)
-    monkeypatch.setattr(jobs, "MAX_OPEN_RUNS", open_runs)
+    monkeypatch.setattr(jsonl_checkpoint, "PATCH_BYTES", patch_bytes)
+    monkeypatch.setattr(jsonl_checkpoint, "MAX_OPEN_RUNS", open_runs)
     path = tmp_path / "results.jsonl"
     expected = messy_checkpoint(path, 400)
     merged = list(latest_records(path, 0, 400, decode_stored_outcome))
@@ -98,7 +100,7 @@ def test_appending_after_a_torn_line_starts_a_new_line(tmp_path: Path) -> None:
     with path.open("ab") as f:
         f.write(b'{"i":1,"key":"k1","bo')
     append_outcomes(path, [answer(2, "k2")])
-    assert sorted(jobs.read_outcomes(path)) == [0, 2]
+    assert sorted(jsonl_checkpoint.read_outcomes(path)) == [0, 2]
     assert [o.i for o in latest_records(path, 0, 3, decode_stored_outcome)] == [0, 2]
 
 
@@ -125,7 +127,7 @@ def merge_peak(job: JobDir) -> int:
 
 
 def test_merge_memory_does_not_grow_with_the_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "PATCH_BYTES", 1 << 16)
+    monkeypatch.setattr(jsonl_checkpoint, "PATCH_BYTES", 1 << 16)
     small = merge_peak(chat_job(tmp_path, 6_000, shards=1))
     big = merge_peak(chat_job(tmp_path, 40_000, shards=1))
     checkpoint = chat_job(tmp_path, 40_000, shards=1).checkpoint_path(0).stat().st_size

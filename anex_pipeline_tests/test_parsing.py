@@ -12,12 +12,9 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.completions import Generated, chat_completion
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.estimate import estimate_lengths, reusable_samples
-from anex_pipeline.jobs import prepare_job
-from anex_pipeline.length_bound import upper_bound
-from anex_pipeline.parsing import (
+from anex_pipeline.engine.completions import Generated, chat_completion
+from anex_pipeline.engine.parsing import (
     BUDGET_NOTICE,
     FAMILIES,
     OutputParser,
@@ -31,6 +28,9 @@ from anex_pipeline.parsing import (
     thinking_tags,
 )
 from anex_pipeline.spec import JobOptions, RowOutcome
+from anex_pipeline.stages.estimate import estimate_lengths, reusable_samples
+from anex_pipeline.stages.length_bound import upper_bound
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.tiny_models import build_tokenizer, write_config
 

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.defs.sensors import S3InboxSettings, bucket_arrivals
-from anex_pipeline.jobs import JobDir, make_job_id
+from anex_pipeline.orchestration.inboxes import S3InboxSettings, bucket_arrivals
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.storage import OutputNotWritable, localize_input, publish, unsafe_key
+from anex_pipeline.workdir.manifest import JobDir, make_job_id
 from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
 
 # Traversal pieces, absolute paths, separators, NUL, odd unicode and very long runs.

@@ -14,9 +14,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.estimate import estimate_lengths
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource, shared_fake_engine
 
@@ -132,7 +132,7 @@ def test_backfill_command_reruns_only_unfinished_shards(
 
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setattr("anex_pipeline.defs.resources.EngineResource", FakeEngineResource)
+    monkeypatch.setattr("anex_pipeline.orchestration.resources.EngineResource", FakeEngineResource)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"b{i}", f"q {i}", max_tokens=30) for i in range(30)])
     with dg.DagsterInstance.ephemeral() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), FakeEngineResource())

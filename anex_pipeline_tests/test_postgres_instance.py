@@ -28,7 +28,7 @@ import psycopg2
 import pytest
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage
 
-from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource

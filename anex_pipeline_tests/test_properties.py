@@ -13,11 +13,11 @@ import dagster as dg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.engine.base import Engine, EngineRequest
-from anex_pipeline.jobs import JobManifest
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 

@@ -18,15 +18,15 @@ import pytest
 
 from anex_pipeline import cli
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.definitions import build_definitions
-from anex_pipeline.defs import resources
-from anex_pipeline.defs.partitions import JOBS, job_shard_partitions
-from anex_pipeline.defs.retention import RetentionSettings
-from anex_pipeline.defs.sensors import runs_of_job
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.orchestration import resources
+from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.partitions import JOBS, job_shard_partitions
+from anex_pipeline.orchestration.retention import RetentionSettings
+from anex_pipeline.orchestration.runs import runs_of_job
 from anex_pipeline.retention import parse_age, prune
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MAX_SHARDS
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource
 from anex_pipeline_tests.test_batch_api import KEY_B, client, serving, slow_runner, submit, wait
@@ -128,7 +128,8 @@ def test_delete_removes_the_work_folder_and_every_partition_key_and_keeps_the_re
 def hold_lease(job: JobDir) -> subprocess.Popen[str]:
     """Another process that drives the job (holds its lease) until its stdin closes."""
     code = (
-        "import sys; from anex_pipeline.defs.sensors import take_lease; from anex_pipeline.jobs import JobDir; "
+        "import sys; from anex_pipeline.workdir.lease import take_lease; "
+        "from anex_pipeline.workdir.manifest import JobDir; "
         f"lease = take_lease(JobDir({str(job.root.parent)!r}, {job.job_id!r})); print('held', flush=True); "
         "sys.stdin.read()"
     )

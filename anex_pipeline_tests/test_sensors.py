@@ -21,20 +21,16 @@ import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
 
-from anex_pipeline.definitions import build_definitions, defs
-from anex_pipeline.defs.partitions import JOBS, job_shard_key
-from anex_pipeline.defs.resources import StorageResource
-from anex_pipeline.defs.sensors import (
-    JOB_DIMENSION_TAG,
-    LAUNCHED_BY_TAG,
-    LocalInboxSettings,
-    RetrySettings,
-    S3InboxSettings,
-)
 from anex_pipeline.engine.base import Engine, EngineRequest
-from anex_pipeline.jobs import JobManifest
+from anex_pipeline.orchestration.definitions import build_definitions, defs
+from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
+from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
+from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.retries import RetrySettings
+from anex_pipeline.orchestration.runs import JOB_DIMENSION_TAG, LAUNCHED_BY_TAG
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from dagster_graphql import DagsterGraphQLClient
 
-from anex_pipeline.defs.partitions import job_shard_key
-from anex_pipeline.jobs import JobDir, shard_key
+from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.stopping import recorded_stop
+from anex_pipeline.workdir.manifest import JobDir, shard_key
 from anex_pipeline_tests.conftest import REPO, chat_row, write_jsonl
 from anex_pipeline_tests.test_webserver import (
     ADD_PARTITION,

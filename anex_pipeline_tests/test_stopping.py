@@ -18,15 +18,16 @@ import dagster as dg
 import pytest
 
 from anex_pipeline import stopping
-from anex_pipeline.defs.resources import StorageResource
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.watchdog import EngineProcessDied
-from anex_pipeline.generate import live_progress, run_shard
-from anex_pipeline.jobs import JobDir, prepare_job
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.stages.generate import live_progress, run_shard
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
 from anex_pipeline.validate import parse_options
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.stepping import SteppingEngine, SteppingEngineResource, stepping
 
@@ -229,14 +230,14 @@ def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_
 
 
 def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anex_pipeline import media
+    from anex_pipeline.stages import fetch_media
 
     def interrupted_fetch(*args: Any) -> dict[str, int]:
         os.kill(os.getpid(), signal.SIGINT)  # Dagster's own handler is in place during this step
         time.sleep(5)  # the handler raises first
         raise AssertionError("the signal did not interrupt the step")
 
-    monkeypatch.setattr(media, "fetch_shard", interrupted_fetch)
+    monkeypatch.setattr(fetch_media, "fetch_shard", interrupted_fetch)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
     stepping[0] = SteppingEngine()
     with dg.DagsterInstance.ephemeral() as instance:
@@ -251,7 +252,7 @@ def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monk
 def test_a_second_signal_quits_at_once(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys, time\n"
-        "from anex_pipeline.jobs import JobDir\n"
+        "from anex_pipeline.workdir.manifest import JobDir\n"
         "from anex_pipeline.stopping import stopping_on_signals\n"
         "job = JobDir(sys.argv[1], 'in-0123456789')\n"
         "job.root.mkdir(parents=True)\n"

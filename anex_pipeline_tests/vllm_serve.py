@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from anex_pipeline.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 
 START_TIMEOUT_S = 300.0
 

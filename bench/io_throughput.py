@@ -50,7 +50,7 @@ def make_inputs(folder: Path, rows: int) -> tuple[Path, Path]:
 
 def prepare(src: Path, work: Path, out: Path) -> dict[str, float]:
     """validate + shard."""
-    from anex_pipeline.jobs import prepare_job
+    from anex_pipeline.stages.submit import prepare_job
     from anex_pipeline.validate import parse_options
 
     started = time.perf_counter()
@@ -65,9 +65,9 @@ def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
     sample order), then the rest in row order, where one row in a thousand failed and was
     appended again, finished, by a rerun; in chunks of the job's ``checkpoint_rows``, as
     generation appends them."""
-    from anex_pipeline.completions import Generated, chat_completion
-    from anex_pipeline.jobs import JobDir
+    from anex_pipeline.engine.completions import Generated, chat_completion
     from anex_pipeline.spec import RowError, RowOutcome
+    from anex_pipeline.workdir.manifest import JobDir
 
     job = JobDir(work, (work / "job_id").read_text())
     manifest = job.manifest()
@@ -104,9 +104,9 @@ def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
 
 def merge(src: Path, work: Path, out: Path) -> dict[str, float]:
     """merge + write, and the result published to the output path."""
-    from anex_pipeline.jobs import JobDir
-    from anex_pipeline.merge import merge_job, result_path
+    from anex_pipeline.stages.merge import merge_job, result_path
     from anex_pipeline.storage import publish
+    from anex_pipeline.workdir.manifest import JobDir
 
     started = time.perf_counter()
     job = JobDir(work, (work / "job_id").read_text())
@@ -177,7 +177,12 @@ def baseline(src: Path, out: Path) -> dict[str, float]:
 
 
 STEPS = {"prepare": prepare, "fill": fill, "merge": merge}
-OURS = ["anex_pipeline.jobs", "anex_pipeline.merge", "anex_pipeline.storage", "anex_pipeline.validate"]
+OURS = [
+    "anex_pipeline.workdir.manifest",
+    "anex_pipeline.stages.merge",
+    "anex_pipeline.storage",
+    "anex_pipeline.validate",
+]
 BASELINES = {"baseline": baseline, "copy": copy}
 IMPORTS = {**{key: ["polars", "pyarrow.parquet"] for key in BASELINES}, **dict.fromkeys(STEPS, OURS)}
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from anex_pipeline.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 
 SYSTEMS = [
     "You are a concise assistant.",

@@ -28,12 +28,13 @@ from typing import Any
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.sharing import sharing_as
-from anex_pipeline.generate import live_progress
-from anex_pipeline.jobs import JobDir, default_report_path
-from anex_pipeline.merge import result_path
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
+from anex_pipeline.stages.generate import live_progress
+from anex_pipeline.stages.merge import result_path
+from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
+from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
@@ -122,7 +123,7 @@ class BatchWorker:
         if record.job_id is None:
             return RequestCounts(), None
         job = self.runner.storage.job(record.job_id)
-        report_file = job.root / "report.json"
+        report_file = job.report_path
         if not job.exists():  # removed by a prune: the published report (beside the result) stays
             report_file = Path(default_report_path(str(self.store.output_path(record.id))))
         if record.finished and report_file.exists():
@@ -226,7 +227,7 @@ class BatchWorker:
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""
-        report_file = job.root / "report.json"
+        report_file = job.report_path
         report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
         if record.cancelling_at is not None:
             ended, unrun = "cancelled_at", "batch_cancelled"

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS
 from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
-from anex_pipeline.structured import mark_completion
 
 
 @dataclass

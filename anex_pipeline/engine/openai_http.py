@@ -25,10 +25,10 @@ from typing import Any
 
 import httpx
 
-from anex_pipeline.completions import unit_vector
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
+from anex_pipeline.engine.completions import unit_vector
 from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
-from anex_pipeline.http_retry import RetryPolicy, retryable_status
+from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.spec import RowError, RowOutcome
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from anex_pipeline.http_retry import RetryPolicy
+from anex_pipeline.net.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 

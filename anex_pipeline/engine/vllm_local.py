@@ -14,7 +14,7 @@ into its answer. Instead, a row whose trace was cut is continued from its trace,
 the end tag, so the model reads the notice and answers after it (its first answer is discarded).
 
 Chat answers are decoded with special tokens kept and split into answer, reasoning and tool calls
-by :mod:`anex_pipeline.parsing`.
+by :mod:`anex_pipeline.engine.parsing`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from anex_pipeline.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.base import (
     EngineRequest,
     StopCheck,
@@ -37,9 +36,8 @@ from anex_pipeline.engine.base import (
     in_groups,
     rejected,
 )
-from anex_pipeline.engine.sharing import Lane, Lanes
-from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
-from anex_pipeline.parsing import (
+from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
+from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
     OutputParser,
     Parsed,
@@ -49,6 +47,8 @@ from anex_pipeline.parsing import (
     count_thinking_tokens,
     thinking_tags,
 )
+from anex_pipeline.engine.sharing import Lane, Lanes
+from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import RowOutcome
 

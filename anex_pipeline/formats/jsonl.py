@@ -14,8 +14,8 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.formats import InputRow, StoredOutcome
-from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem
+from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
+from anex_pipeline.spec import ENDPOINT_BY_URL, URL_BY_ENDPOINT, Endpoint, JobOptions, Problem, RowOutcome
 from anex_pipeline.validate import _kind, check_body
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -27,6 +27,8 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _NO_BODY = msgspec.Raw(b"")
 CHUNK_ROWS = 4096
 SHARD_FILE = "requests.jsonl"
+# The merge streams stored rows (bodies as JSON) into write_results, not columns of answers.
+MERGES_COLUMNS = False
 _STATUS = {200: b"200", None: b"null"}
 COPY_BLOCK = 1 << 20
 
@@ -265,8 +267,9 @@ def _fast_line(
     return cid, bytes(request.body)
 
 
-def chunk_rows(chunk: list[bytes]) -> Iterator[InputRow]:
-    """The rows of a chunk of shard lines."""
+def chunk_rows(chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+    """The rows of a chunk of shard lines (the lines hold whole bodies: ``endpoint`` and ``options``
+    are for the Parquet reader, which builds them)."""
     for line in chunk:
         yield shard_row(line)
 
@@ -382,3 +385,21 @@ def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = 
 
 def _body_and_error(o: StoredOutcome) -> tuple[bytes, bytes]:
     return (o.body, b"null") if o.error is None else (b"null", msgspec.json.encode(o.error))
+
+
+def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+    """Appends finished rows to a shard's checkpoint (JSON lines), durably."""
+    jsonl_checkpoint.append_outcomes(path, outcomes)
+
+
+def checkpoint_outcomes(path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
+    """The latest outcome of each row of a shard's checkpoint, by row order; the bodies stay the
+    stored JSON and the file is streamed, never read whole."""
+    return jsonl_checkpoint.latest_records(path, start, stop, decode_stored_outcome)
+
+
+def result_keys(path: Path) -> Iterator[str]:
+    """The row identities of a result file, in file order."""
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["custom_id"]

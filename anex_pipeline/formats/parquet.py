@@ -3,7 +3,7 @@ IPC files of the prompt values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -13,14 +13,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from anex_pipeline.formats import InputRow, arrow_checkpoint
-from anex_pipeline.spec import Endpoint, JobOptions, Problem
+from anex_pipeline.formats import InputRow, StoredOutcome, arrow_checkpoint
+from anex_pipeline.spec import Endpoint, JobOptions, Problem, RowOutcome
 from anex_pipeline.validate import check_body
 
 T = TypeVar("T")
 BATCH_ROWS = 16_384
 MERGE_ROWS = 65_536  # input rows per batch, and per row group, of a result file
 SHARD_FILE = "requests.arrow"
+# The merge hands write_results the checkpoints' answer columns, next to the input's own columns.
+MERGES_COLUMNS = True
 SHARD_COLUMNS = ("i", "key", "value")
 # A prompt made only of what str.strip() removes (every such character is at most U+3000).
 _BLANK = "^[{}]*$".format("".join(f"\\x{{{c:x}}}" for c in range(0x3001) if chr(c).isspace()))
@@ -364,3 +366,22 @@ class _Answers:
             self.held = self.held.slice(count)
             break
         return pa.concat_tables(parts).combine_chunks() if parts else self.schema.empty_table()
+
+
+def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+    """Appends finished rows to a shard's checkpoint (an Arrow stream), durably."""
+    arrow_checkpoint.append(path, outcomes, endpoint)
+
+
+def checkpoint_outcomes(path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
+    """The latest outcome of each row of a shard's checkpoint, by row order (the merge reads the
+    answers as columns instead: see :func:`arrow_checkpoint.latest`)."""
+    return arrow_checkpoint.stored_outcomes(arrow_checkpoint.latest(path, endpoint))
+
+
+def result_keys(path: Path) -> Iterator[str]:
+    """The row identities of a result file, in file order."""
+    pf = pq.ParquetFile(path, pre_buffer=False)
+    column = "id" if "id" in pf.schema_arrow.names else "row_index"
+    for batch in pf.iter_batches(columns=[column]):
+        yield from (str(v) for v in batch.column(0).to_pylist())

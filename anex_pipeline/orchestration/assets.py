@@ -16,20 +16,23 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline import media
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
-from anex_pipeline.defs.partitions import all_shards_of_job, job_partitions, job_shard_partitions
-from anex_pipeline.defs.resources import EngineResource, StorageResource
 from anex_pipeline.engine import EngineLoadFailed
-from anex_pipeline.estimate import estimate_lengths
-from anex_pipeline.generate import run_shard
-from anex_pipeline.jobs import JobDir, prepare_job
-from anex_pipeline.ledger import account_rows
-from anex_pipeline.merge import merge_job, nothing_delivered, record_served, record_timing, result_path
+from anex_pipeline.orchestration.partitions import all_shards_of_job, job_partitions, job_shard_partitions
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.stages import fetch_media
+from anex_pipeline.stages.estimate import estimate_lengths
+from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.ledger import account_rows
+from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
+from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.timing import record_served, record_timing
 
 GROUP = "batch_job"
 PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often
@@ -110,7 +113,7 @@ def validated_input(
             raise dg.Failure("set 'output' in the run config: where the result file goes")
         s3 = storage.s3_client() if config.input.startswith("s3://") else None
         try:
-            local = localize_input(config.input, job.root / "input", s3)
+            local = localize_input(config.input, job.root / layout.INPUT_DIR, s3)
             options = parse_options(config.options.model_dump())
             job = prepare_job(
                 local,
@@ -155,7 +158,7 @@ def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -
     manifest = job.manifest()
     if shard >= len(manifest.shards):
         return dg.MaterializeResult(metadata={"rows": 0, "note": "this job has fewer shards"})
-    stats = media.fetch_shard(job, shard, manifest.job_options().media)
+    stats = fetch_media.fetch_shard(job, shard, manifest.job_options().media)
     return dg.MaterializeResult(metadata=stats)
 
 
@@ -254,12 +257,12 @@ def result_file(context: dg.AssetExecutionContext, storage: StorageResource) -> 
     job = _job(context, storage)
     manifest = job.manifest()
     s3 = storage.s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
-    report = JobReport.model_validate_json((job.root / "report.json").read_text())
+    report = JobReport.model_validate_json(job.report_path.read_text())
     if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
         where = "not published: no row has a result"
     else:
         where = publish(result_path(job), manifest.output, s3)
-    publish(job.root / "report.json", manifest.report, s3)
+    publish(job.report_path, manifest.report, s3)
     return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": manifest.report})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from anex_pipeline.defs.assets import (
+from anex_pipeline.orchestration.assets import (
     fetched_media,
     generations,
     length_estimate,

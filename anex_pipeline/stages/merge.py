@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,41 +17,15 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.estimate import read_estimate, reusable_samples
-from anex_pipeline.formats import StoredOutcome, jsonl, parquet, write_error
-from anex_pipeline.jobs import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.formats import StoredOutcome, jsonl, write_error
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.workdir.timing import read_served, read_timings, record_timing
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
-_sums_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
-
-
-def _add_to(path: Path, amounts: dict[str, float]) -> None:
-    """Adds to the figures a JSON file of the job folder keeps (summed over shards and reruns)."""
-    with _sums_lock:
-        sums = json.loads(path.read_text()) if path.exists() else {}
-        for name, amount in amounts.items():
-            sums[name] = round(sums.get(name, 0) + amount, 3)
-        atomic_write_text(path, json.dumps(sums, indent=2))
-
-
-def _read_sums(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def record_timing(job: JobDir, stage: str, seconds: float) -> None:
-    """Adds a stage's seconds to the job's timings."""
-    _add_to(job.root / "timings.json", {stage: seconds})
-
-
-def read_timings(job: JobDir) -> dict[str, float]:
-    return _read_sums(job.root / "timings.json")
-
-
-def record_served(job: JobDir, rows_by_server: dict[str, int]) -> None:
-    """Adds to the rows each model server answered for the job (HTTP engine)."""
-    if rows_by_server:
-        _add_to(job.root / "served_by.json", rows_by_server)
 
 
 class _Tally:
@@ -199,7 +172,7 @@ def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterato
 
 def result_path(job: JobDir) -> Path:
     manifest = job.manifest()
-    return job.root / f"result.{manifest.format}"
+    return job.root / f"{layout.RESULT_STEM}.{manifest.format}"
 
 
 def merge_job(job: JobDir) -> JobReport:
@@ -210,18 +183,19 @@ def merge_job(job: JobDir) -> JobReport:
     partial = final.with_name(f".{final.name}.partial")
     tally = _Tally()
     try:
-        if manifest.format == "jsonl":
-            _write_jsonl(job, manifest, partial, tally)
-        else:
+        module = FORMATS[manifest.format]
+        if module.MERGES_COLUMNS:
             answers = _answer_tables(job, manifest, tally)
-            parquet.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+            module.write_results(Path(manifest.input), partial, answers, manifest.endpoint)
+        else:
+            _write_jsonl(job, manifest, partial, tally)
         partial.replace(final)
     except OSError as exc:  # e.g. a full disk: leave no half-written result behind
         partial.unlink(missing_ok=True)
         raise write_error(exc, final) from exc
     record_timing(job, "merge", time.monotonic() - started)
     report = build_report(job, manifest, tally)
-    atomic_write_text(job.root / "report.json", report.model_dump_json(indent=2))
+    atomic_write_text(job.report_path, report.model_dump_json(indent=2))
     return report
 
 
@@ -268,7 +242,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         output_tokens=tally.length_percentiles(),
         reused_answer_rows=tally.reused,
         reused_sample_rows=_reused_sample_rows(job, manifest),
-        served_by=_read_sums(job.root / "served_by.json"),
+        served_by=read_served(job),
         cost=_cost(manifest, usage),
     )
 

@@ -11,10 +11,10 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline.engine import Engine, EngineSettings, HttpSettings, load_engine, release_engines
+from anex_pipeline.engine.models import cache_root, local_model_path
 from anex_pipeline.engine.replicas import server_urls
-from anex_pipeline.jobs import JobDir, JobManifest
-from anex_pipeline.models import cache_root, local_model_path
 from anex_pipeline.storage import is_s3, localize_input
+from anex_pipeline.workdir.manifest import JobDir, JobManifest
 
 
 def default_work_root() -> str:
@@ -75,7 +75,7 @@ class EngineResource(dg.ConfigurableResource):
     timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
 
     def settings_for(self, manifest: JobManifest) -> EngineSettings:
-        from anex_pipeline.parsing import ParserNames, choose_parsers
+        from anex_pipeline.engine.parsing import ParserNames, choose_parsers
 
         model = str(local_model_path(manifest.model))
         embeddings = manifest.endpoint == "embeddings"

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from anex_pipeline.jobs import JobDir
+from anex_pipeline.formats.registry import FORMATS
+from anex_pipeline.workdir.manifest import JobDir
 
 
 @dataclass
@@ -52,26 +49,13 @@ class RowAccount:
         }
 
 
-def result_keys(path: Path, fmt: str) -> Iterator[str]:
-    """The row identities of a result file, in file order."""
-    if fmt == "jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)["custom_id"]
-        return
-    pf = pq.ParquetFile(path, pre_buffer=False)
-    column = "id" if "id" in pf.schema_arrow.names else "row_index"
-    for batch in pf.iter_batches(columns=[column]):
-        yield from (str(v) for v in batch.column(0).to_pylist())
-
-
 def account_rows(job: JobDir, result: Path) -> RowAccount:
     manifest = job.manifest()
     position = {row.key: row.index for shard in range(len(manifest.shards)) for row in job.read_requests(shard)}
     account = RowAccount(expected=manifest.total_rows)
     seen: set[str] = set()
     last = -1
-    for key in result_keys(result, manifest.format):
+    for key in FORMATS[manifest.format].result_keys(result):
         account.delivered += 1
         if key in seen:
             account.duplicates.append(key)

@@ -7,17 +7,14 @@ import os
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
-from anex_pipeline.defs.assets import all_assets
-from anex_pipeline.defs.jobs import all_jobs
-from anex_pipeline.defs.resources import EngineResource, StorageResource
-from anex_pipeline.defs.retention import RetentionSettings, prune_job, prune_old_jobs
-from anex_pipeline.defs.sensors import (
-    LocalInboxSettings,
-    RetrySettings,
-    S3InboxSettings,
-    all_schedules,
-    all_sensors,
-)
+from anex_pipeline.orchestration import inboxes
+from anex_pipeline.orchestration.assets import all_assets
+from anex_pipeline.orchestration.driver import job_driver
+from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
+from anex_pipeline.orchestration.jobs import all_jobs
+from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.retention import RetentionSettings, prune_job, prune_old_jobs
+from anex_pipeline.orchestration.retries import RetrySettings, retry_failed_rows
 
 
 def build_definitions(
@@ -35,8 +32,8 @@ def build_definitions(
         executor=_executor(),
         assets=all_assets,
         jobs=[*all_jobs, prune_job],
-        sensors=all_sensors,
-        schedules=[*all_schedules, prune_old_jobs],
+        sensors=[job_driver, inboxes.s3_inbox, inboxes.local_inbox],
+        schedules=[retry_failed_rows, prune_old_jobs],
         resources={
             "storage": storage,
             "engine": engine or EngineResource(),

@@ -19,8 +19,9 @@ import diskcache
 import msgspec
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.jobs import JobDir
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class AnswerBook:
     row that failed is generated again on a rerun)."""
 
     def __init__(self, job: JobDir):
-        self._cache = diskcache.Cache(str(job.root / "answers"))
+        self._cache = diskcache.Cache(str(job.root / layout.ANSWERS_DIR))
 
     def get(self, key: str) -> RowOutcome | None:
         record = self._cache.get(key)

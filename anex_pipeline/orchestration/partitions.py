@@ -6,8 +6,8 @@ import warnings
 
 import dagster as dg
 
-from anex_pipeline.jobs import shard_key
 from anex_pipeline.spec import MAX_SHARDS
+from anex_pipeline.workdir.manifest import shard_key
 
 JOBS = "jobs"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.defs.resources import StorageResource
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.retention import parse_age, prune
 
 

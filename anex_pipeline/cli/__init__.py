@@ -1,0 +1,70 @@
+"""The ``anex-pipeline`` command: run, validate, backfill, report, serve, and list, delete and prune jobs.
+
+Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
+1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit (nothing
+ran, no result file).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+from anex_pipeline.cli.commands import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_STOPPED,
+    cmd_backfill,
+    cmd_delete,
+    cmd_list,
+    cmd_prune,
+    cmd_report,
+    cmd_run,
+    cmd_serve,
+    cmd_validate,
+)
+from anex_pipeline.cli.parser import UsageError, build_parser
+
+__all__ = ["EXIT_OK", "EXIT_REJECTED", "EXIT_STOPPED", "entry", "main"]
+
+
+def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
+    """Runs one command. With ``own_terminal`` (the installed command) the engine's and libraries'
+    messages go to a log file unless ``--verbose``; called from Python, stderr is left alone."""
+    from anex_pipeline.spec import JobRejected
+
+    args = build_parser().parse_args(argv)
+    args.own_terminal = own_terminal
+    handlers = {
+        "run": cmd_run,
+        "validate": cmd_validate,
+        "backfill": cmd_backfill,
+        "report": cmd_report,
+        "serve": cmd_serve,
+        "list": cmd_list,
+        "delete": cmd_delete,
+        "prune": cmd_prune,
+    }
+    try:
+        return handlers[args.command](args)
+    except JobRejected as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_REJECTED
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_REJECTED
+    except KeyboardInterrupt:  # Ctrl-C outside generation (which stops the job more gently)
+        print("stopped: cancelled by the user; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
+
+
+def entry() -> None:
+    """The ``anex-pipeline`` command: :func:`main`, then an exit that skips the interpreter's
+    teardown. With torch and vLLM loaded, that teardown takes seconds after everything is
+    written (2.7 s measured on the 2-core build machine); the exit handlers still run."""
+    code = main(own_terminal=True)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,375 @@
+"""What each ``anex-pipeline`` command does, one function per command, and the Dagster instance
+and runner they share."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options
+
+# Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
+# 1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit.
+EXIT_OK, EXIT_STOPPED, EXIT_REJECTED = 0, 1, 2
+LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
+
+
+# The steps of a command write straight to its terminal. Dagster's default capture of step output
+# copies it to the terminal through helper processes (tail and a Python watcher) in the terminal's
+# process group: a Ctrl-C would kill them, printing a KeyboardInterrupt traceback and losing every
+# line the step writes after it (the notice that the job is stopping included).
+TERMINAL_OUTPUT = {
+    "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}
+}
+
+
+# The dagster.yaml written into a new Dagster home: SQLite storage in the home (Dagster's default).
+NEW_HOME_SETTINGS = """\
+# Written by anex-pipeline for a new Dagster home; storage defaults to SQLite in this folder.
+telemetry:
+  enabled: false
+"""
+
+
+def _instance() -> Any:
+    """The Dagster instance of $DAGSTER_HOME (default: under the cache folder). Loading it creates
+    its SQLite storage on first use; that happens under a lock on the home, because commands
+    started together on a new home would otherwise create the same tables twice and can leave
+    the storage unusable for good."""
+    import fcntl
+    import sqlite3
+
+    import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
+    from sqlalchemy.exc import DBAPIError
+
+    from anex_pipeline.engine.models import cache_root
+
+    home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
+    os.environ["DAGSTER_HOME"] = str(home)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with (home / ".instance.lock").open("ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+            settings = home / "dagster.yaml"
+            if not settings.exists():  # without one Dagster prints a warning and a telemetry banner
+                settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
+            return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), overrides=TERMINAL_OUTPUT))
+    except (OSError, sqlite3.Error, DBAPIError) as exc:
+        raise UsageError(
+            f"{_storage_failure(exc)}; make room there (or make it writable), or set DAGSTER_HOME to another folder"
+        ) from None
+
+
+def _storage_failure(exc: Exception) -> str:
+    """What went wrong writing the Dagster home (its SQLite storage, say), in a few words."""
+    home = os.environ["DAGSTER_HOME"]
+    cause = getattr(exc, "strerror", None) or getattr(exc, "orig", None) or exc
+    try:
+        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
+    except OSError:  # the home itself could not be made
+        full = ""
+    return f"cannot write the Dagster run history in {home}: {cause}{full}"
+
+
+def _progress_logging(quiet: bool) -> None:
+    """Our lines on the terminal: progress as a bar (or plain lines when stderr is not a terminal),
+    other messages prefixed with [anex]; ``quiet`` leaves only warnings and errors."""
+    from anex_pipeline.console import PROGRESS_LOGGER, ProgressDisplay, ProgressHandler
+
+    progress = logging.getLogger(PROGRESS_LOGGER)
+    for handler in [h for h in progress.handlers if isinstance(h, ProgressHandler)]:
+        progress.removeHandler(handler)
+    progress.addHandler(ProgressHandler(None if quiet else ProgressDisplay(tty=sys.stderr.isatty())))
+    progress.setLevel(logging.WARNING if quiet else logging.INFO)
+    progress.propagate = False
+
+
+def _runner(args: argparse.Namespace) -> Any:
+    from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
+    from anex_pipeline.orchestration.resources import EngineResource, StorageResource, default_work_root
+    from anex_pipeline.runner import JobRunner
+
+    _progress_logging(args.quiet)
+    storage = StorageResource(work_root=args.work_dir or default_work_root())
+    if args.verbose or not args.own_terminal:
+        # stdout carries the report alone: vLLM logs to stdout unless told otherwise.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        log_path = Path(storage.work_root).expanduser() / "logs" / f"{args.command}-{stamp}-{os.getpid()}.log"
+        quiet_engine_output(log_path)
+        logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
+    engine = EngineResource(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        memory_share=args.memory_share,
+        base_url=_base_url(args.base_url),
+        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        max_concurrency=args.max_concurrency,
+    )
+    return JobRunner(_instance(), storage, engine)
+
+
+def _base_url(given: list[str] | None) -> str | None:
+    """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
+    from anex_pipeline.engine.replicas import server_urls
+
+    try:
+        return ",".join(server_urls(given)) or None
+    except ValueError as exc:
+        raise UsageError(f"--base-url: {exc}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    raw = collect_options(args)
+    runner = _runner(args)
+
+    def run() -> Any:
+        log = logging.getLogger("anex_pipeline.progress")
+        log.info("checking %s", args.input)
+        job = runner.submit(args.input, args.output, raw, args.report, options_file=args.options)
+        manifest = job.manifest()
+        log.info(
+            "job %s: %d rows in %d shard(s), model %s",
+            job.job_id,
+            manifest.total_rows,
+            len(manifest.shards),
+            manifest.model_name,
+        )
+        return runner.run(job)
+
+    return _report_of(runner, run)
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    runner = _runner(args)
+
+    def backfill() -> Any:
+        try:
+            job = runner.storage.job(args.job_id)
+        except ValueError as exc:  # not a name a job folder can have
+            raise UsageError(str(exc)) from None
+        if not job.exists():
+            raise UsageError(f"no job {args.job_id} under {runner.storage.work_root}; `run` prints the job id")
+        if args.shards:
+            try:
+                shards = sorted({int(s) for s in args.shards.split(",")})
+            except ValueError:
+                raise UsageError(f"--shards takes shard numbers like 0,3; got {args.shards!r}") from None
+            count = len(job.manifest().shards)
+            if any(s < 0 or s >= count for s in shards):
+                raise UsageError(f"job {args.job_id} has shards 0 to {count - 1}")
+        else:
+            shards = runner.unfinished_shards(job)
+        logging.getLogger("anex_pipeline.progress").info("rerunning shards %s", shards or "none (all finished)")
+        return runner.run(job, shards=shards)
+
+    return _report_of(runner, backfill)
+
+
+class _WithoutStorageNoise:
+    """sys.stderr without the lines Dagster writes there itself when it cannot store an event
+    (e.g. its SQLite storage is on a full disk): the error also reaches the command, which tells
+    it in one line."""
+
+    DAGSTER_STORE_FAILED = "Exception while writing logger call to event log"
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return len(text) if text.startswith(self.DAGSTER_STORE_FAILED) else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _report_of(runner: Any, work: Callable[[], Any]) -> int:
+    """Runs a job action, always releasing the engine; prints the report and picks the exit code."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
+    from anex_pipeline.console import close_progress
+    from anex_pipeline.runner import StepFailed
+
+    resume = (
+        "the rows finished so far are kept: make room (or fix the location) and run the same command again to resume"
+    )
+    try:
+        with contextlib.redirect_stderr(_WithoutStorageNoise(sys.stderr)):
+            report = work()
+    except StepFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    except OSError as exc:  # the work folder cannot be written, e.g. its disk is full
+        print(
+            f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; {resume}", file=sys.stderr
+        )
+        return EXIT_STOPPED
+    except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
+        print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
+        return EXIT_STOPPED
+    finally:
+        close_progress()
+        runner.close()
+    return _finish(report)
+
+
+def _finish(report: Any) -> int:
+    print(report.model_dump_json(indent=2))
+    counts = report.request_counts
+    if report.status == "completed" and counts.total and not counts.completed:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(report.error_counts.items(), key=lambda kv: -kv[1]))
+        print(f"job failed: no row succeeded ({kinds}); each row's error is in {report.output}", file=sys.stderr)
+        return EXIT_STOPPED
+    if report.status == "completed":
+        print(f"result: {report.output}", file=sys.stderr)
+        return EXIT_OK
+    print(f"error: job {report.status}: {report.failure_reason}", file=sys.stderr)
+    return EXIT_STOPPED
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from anex_pipeline.storage import is_s3
+    from anex_pipeline.validate import parse_options
+
+    options = parse_options(collect_options(args))
+    if not is_s3(args.input):
+        return _validate(args, options, Path(args.input))
+    from anex_pipeline.orchestration.resources import StorageResource  # imports Dagster: only for an S3 input
+
+    with tempfile.TemporaryDirectory(prefix="anex-validate-") as downloads:
+        return _validate(args, options, StorageResource().local_input(args.input, Path(downloads)))
+
+
+def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
+    from anex_pipeline.spec import JobRejected, Problem
+    from anex_pipeline.stages.submit import check_input, model_problems
+
+    kind, endpoint, rows = check_input(path, options)
+    # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
+    problems = [] if os.environ.get("ANEX_ENGINE_BASE_URL") else model_problems(options.model)
+    count, problem_count = 0, len(problems)
+    for item in rows:
+        if isinstance(item, Problem):
+            problem_count += 1
+            if len(problems) < 1000:  # keep memory bounded on a file where every line is wrong
+                problems.append(item)
+        else:
+            count += 1
+    if problems:
+        raise JobRejected(problems, total=problem_count)
+    if count == 0:
+        raise JobRejected([Problem(f"input file {args.input} has no rows")])
+    print(f"ok: {count} rows, {kind}, {endpoint} endpoint")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from anex_pipeline.stages.submit import default_report_path
+
+    path = args.path if args.path.endswith(".report.json") else default_report_path(args.path)
+    try:
+        print(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read report {path}: {exc.strerror}") from None
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from anex_pipeline.batch_api.app import create_app
+
+    keys: list[str] | None = None
+    if args.keys_file:
+        try:
+            lines = Path(args.keys_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise UsageError(f"cannot read keys file {args.keys_file}: {exc.strerror}") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    elif os.environ.get("ANEX_BATCH_API_KEYS"):
+        keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    media = _media_policy(args)
+    if args.max_running_batches < 1:
+        raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
+    runner = _runner(args)
+    try:
+        app = create_app(runner, keys, media=media, max_running_batches=args.max_running_batches)
+    except ValueError as exc:  # no API keys: nothing is loaded yet
+        raise UsageError(str(exc)) from None
+    try:
+        uvicorn.run(app, host=args.host, port=args.port)
+    finally:
+        runner.close()
+    return EXIT_OK
+
+
+def _work_root(args: argparse.Namespace) -> Path:
+    from anex_pipeline.orchestration.resources import default_work_root
+
+    return Path(args.work_dir or default_work_root()).expanduser()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from anex_pipeline.retention import list_jobs, table
+
+    at = time.time()
+    entries = list_jobs(_instance(), _work_root(args))
+    if args.json:
+        print(json.dumps([e.as_json(at) for e in entries], indent=2))
+    elif entries:
+        print(table(entries, at))
+    else:
+        print(f"no jobs under {_work_root(args)}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from anex_pipeline.orchestration.partitions import JOBS
+    from anex_pipeline.retention import JobRunning, delete_job
+    from anex_pipeline.workdir.manifest import JobDir
+
+    try:
+        job = JobDir(_work_root(args), args.job_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    instance = _instance()
+    if not job.root.exists() and not instance.has_dynamic_partition(JOBS, job.job_id):
+        raise UsageError(f"no job {args.job_id} under {job.root.parent}; `anex-pipeline list` shows the jobs")
+    try:
+        delete_job(instance, job)
+    except JobRunning as exc:
+        raise UsageError(str(exc)) from None
+    print(f"deleted job {job.job_id}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from anex_pipeline.retention import parse_age, prune
+
+    try:
+        older_than = parse_age(args.older_than)
+    except ValueError as exc:
+        raise UsageError(f"--older-than: {exc}") from None
+    removed = prune(_instance(), _work_root(args), older_than, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps([r.as_json() for r in removed], indent=2))
+    else:
+        for r in removed:
+            print(f"{'would remove' if args.dry_run else 'removed'} {r.kind} {r.id}: {r.reason}")
+        if not removed:
+            print("nothing to remove", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,282 @@
+"""The command line's flags and help, and the job options read from flags, the options file and the
+input's sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# Flags that map one-to-one onto job options: (flag, option name, type).
+OPTION_FLAGS: list[tuple[str, str, Any]] = [
+    ("--model", "model", str),
+    ("--endpoint", "endpoint", str),
+    ("--reasoning-budget", "reasoning_budget", int),
+    ("--max-tokens", "max_tokens", int),
+    ("--reasoning-parser", "reasoning_parser", str),
+    ("--tool-parser", "tool_parser", str),
+    ("--shards", "shards", int),
+    ("--temperature", "temperature", float),
+    ("--top-p", "top_p", float),
+    ("--top-k", "top_k", int),
+    ("--seed", "seed", int),
+    ("--prompt-column", "prompt_column", str),
+    ("--system-prompt", "system_prompt", str),
+    ("--estimate-sample-size", "estimate_sample_size", int),
+]
+
+
+BOOL_FLAGS = [
+    ("--reasoning", "reasoning"),
+    ("--parse-thinking", "parse_thinking"),
+    ("--parse-tool-calls", "parse_tool_calls"),
+]
+
+
+# What each job flag does, for --help: whether it is a cap or a default, and what happens when it is absent.
+FLAG_HELP: dict[str, str] = {
+    "model": "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct; "
+    "all-MiniLM-L6-v2 for embeddings)",
+    "endpoint": "chat, completions or embeddings (default: from the rows' url, else chat)",
+    "reasoning_budget": "thinking tokens a row may use before its trace is closed; 0 = no cap "
+    "(default: estimated from a sample for reasoning models)",
+    "max_tokens": "output-token cap for every row that sets none of its own (a row's own max_tokens wins); "
+    "default: estimated from a generated sample, reported as estimate.max_tokens",
+    "reasoning_parser": "name of vLLM's reasoning parser (default: chosen from the model)",
+    "tool_parser": "name of vLLM's tool-call parser (default: chosen from the model)",
+    "shards": "how many shards (Dagster partitions) the rows are split into (default: by size)",
+    "temperature": "default for rows that set none (default: the model's)",
+    "top_p": "default for rows that set none (default: the model's)",
+    "top_k": "default for rows that set none (default: the model's)",
+    "seed": "default for rows that set none; with it, sampled rows are reproducible",
+    "prompt_column": "Parquet column holding the prompt (default: messages, prompt, input or text)",
+    "system_prompt": "system message put before every Parquet row's prompt",
+    "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
+}
+
+
+BOOL_HELP: dict[str, str] = {
+    "reasoning": "switch thinking on or off for models that have it (default: the model's own)",
+    "parse_thinking": "put the thinking trace in message.reasoning_content (default: on where the model has a parser)",
+    "parse_tool_calls": "put tool calls in message.tool_calls (default: on where the model has a parser)",
+}
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the options file."""
+
+
+def _add_option_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job options (override the options file)")
+    g.add_argument("--options", metavar="FILE", help="JSON file of job options; default: <input>.job.json if present")
+    for flag, name, kind in OPTION_FLAGS:
+        g.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper(), help=FLAG_HELP[name])
+    for flag, name in BOOL_FLAGS:
+        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=BOOL_HELP[name])
+    g.add_argument("--response-format", metavar="JSON", help='e.g. \'{"type":"json_object"}\' or @schema.json')
+    g.add_argument(
+        "--media-allowed-host", action="append", default=None, metavar="HOST", help="allow media from HOST (repeatable)"
+    )
+    g.add_argument(
+        "--set", action="append", default=[], metavar="KEY=JSON", help="any other option, e.g. --set prices='{...}'"
+    )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=4096, help="context length of the engine (default: 4096)")
+    g.add_argument("--dtype", default="auto", help="weights' dtype: auto, float32, bfloat16, ... (default: auto)")
+    g.add_argument("--memory-share", type=float, default=None, help="gpu_memory_utilization (CPU: share of RAM)")
+    g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
+    g.add_argument(
+        "--base-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here; "
+        "repeat it (or give a comma-separated list) for replicas of one model",
+    )
+    g.add_argument("--api-key", default=None, help="bearer token for --base-url; default: $ANEX_API_KEY")
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=32,
+        help="with --base-url: requests in flight at once per server (default: 32)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anex-pipeline", description="Offline batch LLM jobs on vLLM and Dagster.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a job end to end and print its report")
+    run.add_argument("input", help="JSONL (OpenAI batch format) or Parquet file")
+    run.add_argument("-o", "--output", required=True, help="result file, same format as the input")
+    run.add_argument("--report", default=None, help="report path; default <output>.report.json")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _add_option_flags(run)
+    _engine_flags(run)
+
+    val = sub.add_parser("validate", help="check an input file and its options without running it")
+    val.add_argument("input")
+    _add_option_flags(val)
+
+    back = sub.add_parser("backfill", help="rerun chosen shards of a job, or every shard with failed or missing rows")
+    back.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")
+    chosen = back.add_mutually_exclusive_group()
+    chosen.add_argument("--shards", help="comma-separated shard numbers, e.g. 0,3")
+    chosen.add_argument("--failed", action="store_true", help="every shard with failed or missing rows (default)")
+    back.add_argument("--quiet", action="store_true", help="no progress lines")
+    back.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _engine_flags(back)
+
+    rep = sub.add_parser("report", help="print the report of a finished job")
+    rep.add_argument("path", help="the result file or its .report.json")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible Batch API; batches run as jobs here")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--keys-file",
+        default=None,
+        help="API keys, one per line (a key, or sha256:<hex> of one); default $ANEX_BATCH_API_KEYS "
+        "(comma-separated), else the keys stored at the last start",
+    )
+    srv.add_argument(
+        "--media",
+        default=None,
+        metavar="JSON",
+        help="media policy of every batch, as the job option 'media' (JSON or @file.json); a batch may "
+        "only name fewer hosts and lower limits",
+    )
+    srv.add_argument(
+        "--media-allowed-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
+    )
+    srv.add_argument(
+        "--max-running-batches",
+        type=int,
+        default=4,
+        metavar="N",
+        help="batches generating at once, their rows batched together on the one engine (default: 4)",
+    )
+    srv.add_argument("--quiet", action="store_true", help="no progress lines")
+    srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _engine_flags(srv)
+
+    lst = sub.add_parser("list", help="list the jobs of the work folder, newest first")
+    lst.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    _work_dir_flag(lst)
+
+    dele = sub.add_parser("delete", help="remove a job's work folder and its Dagster history (not its result)")
+    dele.add_argument("job_id", help="the job id shown by `list` or printed by `run`")
+    _work_dir_flag(dele)
+
+    prn = sub.add_parser(
+        "prune", help="remove jobs not active for a while, and the Batch API's expired files (results stay)"
+    )
+    prn.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m, 90s: last activity")
+    prn.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    prn.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _work_dir_flag(prn)
+    return parser
+
+
+def _work_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--work-dir", default=None, help="where jobs keep their work (default: $ANEX_WORK_DIR or the cache)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("anex-pipeline")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def collect_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options file (explicit, or the input's sidecar) overlaid with the flags that were given."""
+    raw: dict[str, Any] = {}
+    path = args.options
+    sidecar = Path(f"{args.input}.job.json")
+    if path is None and sidecar.exists():
+        path = str(sidecar)
+    if path:
+        try:
+            loaded = json.loads(_read_regular_file(path, "options file"))
+        except json.JSONDecodeError as exc:
+            raise UsageError(
+                f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"options file {path} must hold a JSON object of option names and values")
+        raw.update(loaded)
+    for _, name, _ in OPTION_FLAGS:
+        if getattr(args, name) is not None:
+            raw[name] = getattr(args, name)
+    for _, name in BOOL_FLAGS:
+        if getattr(args, name) is not None:
+            raw[name] = getattr(args, name)
+    if args.response_format:
+        raw["response_format"] = _json_arg("--response-format", args.response_format)
+    if args.media_allowed_host:
+        media = raw.get("media", {})  # anything but an object is left for the option check to reject
+        raw["media"] = {**media, "allowed_hosts": args.media_allowed_host} if isinstance(media, dict) else media
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--set takes KEY=JSON, got {item!r}")
+        raw[key] = _json_arg(f"--set {key}", value)
+    return raw
+
+
+def _read_regular_file(path: str, what: str) -> str:
+    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
+    from anex_pipeline.storage import read_regular_file
+
+    try:
+        return read_regular_file(path).decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except ValueError as exc:
+        raise UsageError(f"{what} {exc}; name a JSON file") from None
+
+
+def _json_arg(flag: str, text: str) -> Any:
+    if text.startswith("@"):
+        text = _read_regular_file(text[1:], f"{flag} file")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if flag.startswith("--set"):
+            return text  # a bare string value
+        raise UsageError(f"{flag} must be JSON (or @file.json): {text!r}") from None
+
+
+def _media_policy(args: argparse.Namespace) -> Any:
+    """The operator's media policy for ``serve``: --media, with --media-allowed-host added."""
+    from pydantic import ValidationError
+
+    from anex_pipeline.spec import MediaOptions
+
+    raw = _json_arg("--media", args.media) if args.media else {}
+    if not isinstance(raw, dict):
+        raise UsageError("--media must be a JSON object of media options, e.g. '{\"max_bytes\": 1000000}'")
+    hosts = raw.get("allowed_hosts", [])
+    if args.media_allowed_host and isinstance(hosts, list):
+        raw["allowed_hosts"] = [*hosts, *args.media_allowed_host]
+    try:
+        return MediaOptions.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "media"
+        raise UsageError(f"--media: {where}: {first['msg']}") from None

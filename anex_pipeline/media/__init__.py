@@ -1,0 +1,1 @@
+"""Media referenced by URL: finding references, the address policy, the cached downloader."""

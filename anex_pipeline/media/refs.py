@@ -1,0 +1,64 @@
+"""Finding the media a request body references: which content parts hold media and where."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# Content part type -> (key of the reference inside the part's object, the kind of media it holds).
+MEDIA_PARTS = {
+    "image_url": ("url", "image"),
+    "audio_url": ("url", "audio"),
+    "video_url": ("url", "video"),
+    "input_audio": ("data", "audio"),
+}
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One content part that holds media: where it is in the messages, and its URL."""
+
+    message: int
+    part: int
+    type: str  # the content part type, a key of MEDIA_PARTS
+    url: str
+
+    @property
+    def kind(self) -> str:
+        return MEDIA_PARTS[self.type][1]
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.message}].content[{self.part}]"
+
+    @property
+    def remote(self) -> bool:
+        """Anything but an inline data: URL has to be fetched (or is refused)."""
+        return not self.url.startswith("data:")
+
+
+def media_references(body: dict[str, Any]) -> list[MediaRef]:
+    """Every media reference in a chat body's content parts.
+
+    ``input_audio`` parts normally carry raw base64 (no reference); they count when their
+    ``data`` is a URL.
+    """
+    refs = []
+    for m, message in enumerate(body.get("messages") or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in MEDIA_PARTS:
+                continue
+            value = part.get(kind)
+            if isinstance(value, dict):
+                value = value.get(MEDIA_PARTS[kind][0])
+            if isinstance(value, str) and (kind != "input_audio" or _SCHEME.match(value)):
+                refs.append(MediaRef(m, p, kind, value))
+    return refs

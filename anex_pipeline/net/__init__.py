@@ -1,0 +1,1 @@
+"""HTTP helpers shared by every client."""

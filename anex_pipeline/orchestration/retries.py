@@ -1,0 +1,78 @@
+"""``retry_failed_rows``, a schedule that reruns the shards of finished jobs that have failed rows, a
+limited number of times per shard. Off until started in the UI or with ``dagster schedule start``."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+from pydantic import Field
+
+from anex_pipeline.orchestration.jobs import shard_job
+from anex_pipeline.orchestration.partitions import job_shard_key
+from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.runs import PARTITION_TAG, RETRY_TAG, JobProgress, job_progress
+from anex_pipeline.spec import JobReport
+from anex_pipeline.workdir.lease import driven_by_cli
+from anex_pipeline.workdir.manifest import unfinished_shards
+
+
+class RetrySettings(dg.ConfigurableResource):
+    """How often the retry schedule reruns one shard of one job."""
+
+    max_attempts: int = Field(
+        default_factory=lambda: int(os.environ.get("ANEX_RETRY_LIMIT", "3")),
+        ge=0,
+        description="Reruns per shard and submission; a shard still failing after them is left as it is "
+        "(its failed rows stay in the report). Counted from the runs the schedule started.",
+    )
+
+
+def retry_attempts(instance: dg.DagsterInstance, p: JobProgress, shard: int) -> int:
+    """Retry runs the schedule has started for this shard since the job's latest submission."""
+    tags = {PARTITION_TAG: str(job_shard_key(p.job_id, shard)), RETRY_TAG: str(p.submitted)}
+    return instance.get_runs_count(dg.RunsFilter(job_name=shard_job.name, tags=tags))
+
+
+@dg.schedule(
+    name="retry_failed_rows",
+    job=shard_job,
+    cron_schedule=os.environ.get("ANEX_RETRY_CRON", "0 * * * *"),
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    description=(
+        "Reruns the shards of finished jobs that have failed or missing rows, up to max_attempts times per "
+        "shard (ANEX_RETRY_LIMIT, default 3); a rerun generates only those rows. job_driver then publishes "
+        "the new result. Hourly by default (ANEX_RETRY_CRON)."
+    ),
+)
+def retry_failed_rows(
+    context: dg.ScheduleEvaluationContext, storage: StorageResource, retry_settings: RetrySettings
+) -> list[dg.RunRequest] | dg.SkipReason:
+    requests = []
+    spent = []
+    for p in job_progress(context.instance):
+        job = storage.job(p.job_id)
+        report = job.report_path
+        if p.busy or not p.finished or not report.exists():
+            continue
+        counts = JobReport.model_validate_json(report.read_text()).request_counts
+        if counts.completed >= counts.total or driven_by_cli(job):
+            continue
+        for shard in unfinished_shards(job):
+            attempt = retry_attempts(context.instance, p, shard) + 1
+            if attempt > retry_settings.max_attempts:
+                spent.append(f"{p.job_id} shard {shard}")
+                continue
+            requests.append(
+                dg.RunRequest(
+                    partition_key=job_shard_key(p.job_id, shard),
+                    run_key=f"retry:{p.job_id}:{shard}:{p.submitted}:{attempt}",
+                    tags={RETRY_TAG: str(p.submitted)},
+                )
+            )
+    if spent:
+        context.log.info(
+            f"not retried again, {retry_settings.max_attempts} attempts used: {', '.join(spent)} "
+            "(raise ANEX_RETRY_LIMIT, or rerun the shard by hand)"
+        )
+    return requests or dg.SkipReason("no finished job has failed or missing rows left to retry")

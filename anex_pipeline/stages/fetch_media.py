@@ -1,0 +1,177 @@
+"""The ``fetched_media`` stage and what generation does with its work.
+
+:func:`fetch_shard` downloads every http(s) URL of a shard into the media cache and records the rows
+whose media could not be fetched. Generation then calls :func:`attach_media`, which fails those
+rows with ``media_fetch_error`` before they reach the engine and swaps every other row's URLs
+for ``data:`` URLs made from the cached bytes, so the engine never opens a connection. The stage
+stops at the job's time limit."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from anex_pipeline.formats import InputRow
+from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
+from anex_pipeline.media.fetcher import (
+    FetchStats,
+    MediaFetcher,
+    MediaFetchError,
+    _OutOfTime,
+)
+from anex_pipeline.media.guard import TOTAL_CONNECTIONS
+from anex_pipeline.media.refs import MediaRef, media_references
+from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
+from anex_pipeline.workdir.manifest import JobDir
+
+
+def media_failure(row: InputRow, ref: MediaRef, error: MediaFetchError) -> RowOutcome:
+    """A row that fails because one of its media could not be fetched."""
+    return RowOutcome(
+        index=row.index,
+        key=row.key,
+        status_code=error.status,
+        error=RowError(message=str(error), type="media_fetch_error", code=error.status, param=ref.param),
+    )
+
+
+def _first_failure(fetcher: MediaFetcher, row: InputRow, refs: Sequence[MediaRef]) -> RowOutcome | None:
+    for ref in refs:
+        if ref.remote:
+            try:
+                fetcher.checked(ref)
+            except MediaFetchError as exc:
+                return media_failure(row, ref, exc)
+    return None
+
+
+def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Downloads the media of the shard's unfinished rows and records the rows whose media failed.
+
+    Fetching stops when the job's time limit runs out; the media not fetched by then fail no row
+    (generation then stops the job, as it does whenever the time is up). Returns the
+    materialization metadata: URLs seen, fetched, served from cache, failed by code, and bytes.
+    """
+    started = time.monotonic()
+    finished = job.finished_rows(shard)
+    rows: list[tuple[InputRow, list[MediaRef]]] = []
+    total = inline = 0
+    for row in job.read_requests(shard):
+        total += 1
+        refs = media_references(row.body) if row.index not in finished else []
+        inline += sum(1 for ref in refs if not ref.remote)
+        if refs:
+            rows.append((row, refs))
+    urls = list(dict.fromkeys(ref.url for _, refs in rows for ref in refs if ref.remote))
+    failures: list[RowOutcome] = []
+    codes: Counter[str] = Counter()
+    stats = FetchStats()
+    media_bytes = out_of_time = 0
+    if urls:
+        left = job.time_left()
+        stop_at = None if left is None else time.monotonic() + left
+        # The stage only fills the cache; what the cache cannot store, generation fetches again.
+        with (
+            MediaFetcher(options, cache_dir, stop_at=stop_at, hold_uncached=False) as fetcher,
+            ThreadPoolExecutor(TOTAL_CONNECTIONS) as pool,
+        ):
+            for future in [pool.submit(fetcher.fetch, url) for url in urls]:
+                error = future.exception()
+                if isinstance(error, _OutOfTime):
+                    out_of_time += 1
+                elif isinstance(error, MediaFetchError):
+                    codes[str(error.status or "none")] += 1
+                elif error is not None:
+                    raise error
+                else:
+                    media_bytes += future.result().size
+            if not out_of_time:
+                failures = [f for row, refs in rows if (f := _first_failure(fetcher, row, refs))]
+            stats = fetcher.stats
+    path = job.media_failures_path(shard)
+    path.unlink(missing_ok=True)
+    append_outcomes(path, failures)
+    return {
+        "rows": total,
+        "rows_with_media": len(rows),
+        "inline_media": inline,
+        "urls_seen": len(urls),
+        "fetched": stats.fetched,
+        "from_cache": stats.from_cache,
+        "not_cached": stats.not_cached,
+        "cache_problem": stats.cache_problem,
+        "failed_urls": sum(codes.values()),
+        "failed_by_code": dict(codes),
+        "not_fetched_time_limit": out_of_time,
+        "rows_failed": len(failures),
+        "bytes": media_bytes,
+        "bytes_downloaded": stats.bytes_downloaded,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def recorded_failures(job: JobDir, shard: int) -> dict[int, RowOutcome]:
+    """The rows the media stage failed for this shard, by row index."""
+    return read_outcomes(job.media_failures_path(shard))
+
+
+def attach_media(
+    rows: Sequence[InputRow],
+    options: MediaOptions,
+    recorded: dict[int, RowOutcome] | None = None,
+    cache_dir: Path | None = None,
+) -> tuple[list[InputRow], list[RowOutcome]]:
+    """Splits rows into those ready for the engine, their media now inline as data, and failures.
+
+    ``recorded`` are the media stage's failures; media that stage did not leave in the cache are
+    fetched here, so rows can also be prepared without it.
+    """
+    recorded = recorded or {}
+    ready: list[InputRow] = []
+    failed: list[RowOutcome] = []
+    with ExitStack() as stack:
+        fetcher: MediaFetcher | None = None
+        for row in rows:
+            if row.index in recorded:
+                failed.append(recorded[row.index])
+                continue
+            refs = media_references(row.body)
+            if not refs:
+                ready.append(row)
+                continue
+            fetcher = fetcher or stack.enter_context(MediaFetcher(options, cache_dir))
+            values = {}
+            for ref in refs:
+                try:
+                    values[ref] = fetcher.inline_value(ref)
+                except MediaFetchError as exc:
+                    failed.append(media_failure(row, ref, exc))
+                    break
+            else:
+                ready.append(InputRow(row.index, row.key, _with_values(row.body, values)))
+    return ready, failed
+
+
+def _with_values(body: dict[str, Any], values: dict[MediaRef, Any]) -> dict[str, Any]:
+    """A copy of the body with each reference's part given its new value (the input is not changed)."""
+    messages = list(body["messages"])
+    for ref, value in values.items():
+        if value is None:
+            continue
+        message = dict(messages[ref.message])
+        content = list(message["content"])
+        part = dict(content[ref.part])
+        inner = part[ref.type]
+        if ref.type == "input_audio":
+            part[ref.type] = {**inner, **value}
+        else:
+            part[ref.type] = {**inner, "url": value} if isinstance(inner, dict) else {"url": value}
+        content[ref.part] = part
+        message["content"] = content
+        messages[ref.message] = message
+    return {**body, "messages": messages}

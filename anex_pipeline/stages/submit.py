@@ -1,0 +1,242 @@
+"""The submit step: checking a job's whole input, its model and its destinations before anything
+loads, then writing the normalised requests as shard files plus the manifest.
+
+``prepare_job`` streams the input and writes nothing unless every row passes; the CLI, the Batch
+API and the Dagster asset all submit through it."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from anex_pipeline.engine.models import model_unavailable, resolve_model
+from anex_pipeline.formats import (
+    FileFormat,
+    InputRow,
+    parquet,
+    sniff_format,
+)
+from anex_pipeline.formats.registry import FORMATS, misnamed
+from anex_pipeline.spec import MAX_SHARDS, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.storage import is_s3, output_problem
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import (
+    JobDir,
+    JobManifest,
+    ShardRange,
+    atomic_write_text,
+    file_sha256,
+    make_job_id,
+)
+
+ROWS_PER_SHARD = 4096
+
+
+MAX_REPORTED_PROBLEMS = 1000
+
+
+def default_report_path(output: str) -> str:
+    for suffix in (".jsonl", ".parquet", ".json"):
+        if output.endswith(suffix):
+            return output[: -len(suffix)] + ".report.json"
+    return output + ".report.json"
+
+
+def shard_ranges(total: int, requested: int | None) -> list[ShardRange]:
+    count = requested or math.ceil(total / ROWS_PER_SHARD)
+    count = max(1, min(count, MAX_SHARDS, total))
+    bounds = [total * s // count for s in range(count + 1)]
+    return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
+
+
+def detect_format(path: Path) -> FileFormat:
+    if not path.exists():
+        raise JobRejected([Problem(f"input file {path} does not exist")])
+    if not path.is_file():
+        raise JobRejected([Problem(f"input {path} is not a file")])
+    try:
+        kind = sniff_format(path)
+    except OSError as exc:
+        raise JobRejected([Problem(f"input file {path} cannot be read: {exc.strerror}")]) from None
+    if kind is None:
+        raise JobRejected([Problem(f"input file {path} is empty: there are no rows")])
+    if why := misnamed(path, kind):
+        raise JobRejected([Problem(why)])
+    return kind
+
+
+def read_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[Any]]:
+    """Opens an input for checking: its format, its endpoint, and its problems and chunks of
+    accepted rows (in the format module's own form), in input order."""
+    kind = detect_format(path)
+    module = FORMATS[kind]
+    try:
+        endpoint = module.job_endpoint(path, options)
+    except parquet.ParquetInputError as exc:
+        raise JobRejected(exc.problems) from None
+    _, model_name = resolve_model(options.model, endpoint)
+    names = frozenset({model_name, *(n for n in [options.model] if n)})
+    return kind, endpoint, module.read_chunks(path, endpoint, names, options)
+
+
+def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[InputRow | Problem]]:
+    """Like :func:`read_input`, with the accepted rows one by one."""
+    kind, endpoint, chunks = read_input(path, options)
+
+    def rows() -> Iterator[InputRow | Problem]:
+        for item in chunks:
+            if isinstance(item, Problem):
+                yield item
+            else:
+                yield from FORMATS[kind].chunk_rows(item, endpoint, options)
+
+    return kind, endpoint, rows()
+
+
+def model_problems(model: str | None) -> list[Problem]:
+    """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
+    why = model_unavailable(model)
+    return [Problem(why, field="model")] if why else []
+
+
+def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
+    """Refuses an output or report that is a file the job reads (the input, its sidecar
+    ``<input>.job.json``, the options file) or each other, whatever the path's spelling (``..``,
+    symlinks, hard links), and one that exists but is not a regular file (a folder, a FIFO)."""
+    read = [("the input", input_path), ("the input's options sidecar", Path(f"{input_path}.job.json"))]
+    read += [("the options file", Path(options_file))] if options_file is not None else []
+    problems = []
+    written: list[tuple[str, Path]] = []
+    for flag, dest in (("output", output), ("report", report)):
+        if is_s3(dest):
+            continue
+        target = Path(os.path.realpath(Path(dest).expanduser()))  # where it lands; folders on the way get made
+        clash = next((what for what, path in read + written if _same_file(target, path)), None)
+        if clash is not None:
+            problems.append(
+                Problem(f"{dest} is {clash}, which the job would write over; choose another path", field=flag)
+            )
+        elif target.exists() and not target.is_file():
+            problems.append(
+                Problem(f"{dest} exists and is not a regular file (a folder or FIFO); name a file", field=flag)
+            )
+        written.append(("the output", target))
+    if problems:
+        raise JobRejected(problems)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when two paths name one file: by where they lead (symlinks and ``..`` followed, even
+    through folders not made yet, which writing the file would make) or, for files that exist,
+    by inode (hard links)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def prepare_job(
+    input_path: Path,
+    output: str,
+    options: JobOptions,
+    work_root: Path,
+    *,
+    report: str | None = None,
+    job_id: str | None = None,
+    local_model: bool = True,
+    s3_client: Any = None,
+    options_file: Path | None = None,
+) -> JobDir:
+    """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
+    a model server) and that the result and report locations can be written (``s3_client`` for
+    s3:// ones), then writes the job's shards and manifest; raises JobRejected on problems.
+
+    ``options_file``: the file the options were read from, if any, which the job must not write
+    over. Idempotent: a job whose manifest already exists for the same input content is reused as
+    it is, so reruns and resumes keep their checkpoints.
+    """
+    input_path = Path(input_path)
+    kind, endpoint, chunks = read_input(input_path, options)
+    report = report or default_report_path(output)
+    check_destinations(input_path, output, report, options_file)
+    found = model_problems(options.model) if local_model else []
+    for dest in dict.fromkeys((output, report)):
+        if why := output_problem(dest, s3_client):
+            found.append(Problem(why, field="output" if dest == output else "report"))
+    sha = file_sha256(input_path)
+    raw_options = options.model_dump(exclude_defaults=True)
+    # The output is not part of the id: a job whose result could not be written resumes, with
+    # every finished row, when it is run again towards a location that works.
+    job_id = job_id or make_job_id(input_path, sha, raw_options)
+    job = JobDir(work_root, job_id)
+    if job.exists() and job.manifest().input_sha256 == sha:
+        if found:
+            raise JobRejected(found)
+        manifest = job.manifest()
+        if (manifest.output, manifest.report) != (output, report):
+            moved = manifest.model_copy(update={"output": output, "report": report})
+            atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
+        return job
+    job.root.mkdir(parents=True, exist_ok=True)
+    module = FORMATS[kind]
+    staging = job.root / layout.STAGING
+    problems: list[Problem] = found
+    problem_count = len(found)
+    total = 0
+    out = module.Staging(staging)
+    try:
+        for item in chunks:
+            if isinstance(item, Problem):
+                problem_count += 1
+                if len(problems) < MAX_REPORTED_PROBLEMS:
+                    problems.append(item)
+                continue
+            total += len(item)
+            if problem_count == 0:
+                out.add(item)
+    finally:
+        out.close()
+    if problem_count:
+        staging.unlink(missing_ok=True)
+        raise JobRejected(problems, total=problem_count)
+    if total == 0:
+        staging.unlink(missing_ok=True)
+        raise JobRejected([Problem(f"input file {input_path} has no rows")])
+    ranges = shard_ranges(total, options.shards)
+    _split(staging, job, ranges, kind)
+    staging.unlink()
+    model_path, model_name = resolve_model(options.model, endpoint)
+    manifest = JobManifest(
+        job_id=job_id,
+        input=str(input_path.resolve()),
+        input_sha256=sha,
+        output=output,
+        report=report,
+        format=kind,
+        endpoint=endpoint,
+        model=str(model_path),
+        model_name=model_name,
+        options=raw_options,
+        total_rows=total,
+        shards=ranges,
+        submitted_at=time.time(),
+    )
+    atomic_write_text(job.manifest_path, manifest.model_dump_json(indent=2))
+    return job
+
+
+def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileFormat) -> None:
+    targets = []
+    for n, rng in enumerate(ranges):
+        job.shard_dir(n).mkdir(parents=True, exist_ok=True)
+        for name in layout.CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
+            (job.shard_dir(n) / name).unlink(missing_ok=True)
+        targets.append((job.requests_path(n, kind), rng.size))
+    FORMATS[kind].split_staging(staging, targets)
