@@ -51,7 +51,7 @@ class JobRunner:
     """Runs jobs on one Dagster instance with one set of resources."""
 
     def __init__(self, instance: dg.DagsterInstance, storage: StorageResource, engine: EngineResource):
-        self.instance = instance
+        self.instance = _safe_for_threads(instance)
         self.storage = storage
         # Built anew, not model_copy'd: Dagster re-creates resources from their constructor values.
         self.engine = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
@@ -179,6 +179,19 @@ class JobRunner:
             if error is not None and error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
                 raise _Interrupted()
             raise StepFailed(step_error_message(error) if error else f"{job_name} failed for {partition_key}")
+
+
+def _safe_for_threads(instance: dg.DagsterInstance) -> dg.DagsterInstance:
+    """Lets runs of the instance start while other threads run (the Batch API runs several jobs).
+
+    Dagster 1.13 calls ``logging.config.dictConfig`` as every run of an instance with settings
+    starts, even when no ``python_logs`` handlers are configured. dictConfig closes every handler
+    of the process: holding logging's lock, it waits for each handler's lock, while a run in
+    another thread, writing an event under its handler's lock, waits for logging's lock to log:
+    both wait for ever. With no handlers configured the call yields none, so it is skipped."""
+    if not instance.get_python_log_dagster_handler_config():
+        instance.get_yaml_python_handlers = list  # type: ignore[method-assign]
+    return instance
 
 
 def _uses_s3(*locations: str | None) -> bool:

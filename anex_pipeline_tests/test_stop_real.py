@@ -146,6 +146,9 @@ class Served:
         args = ["serve", "--port", str(port), "--work-dir", str(tmp_path / "work"), *serve_args]
         self.process = start(args, tmp_path / "dagster_home", **env_keys, **env)
         self.err = Lines(self.process.stderr)  # type: ignore[arg-type]
+        # The server's access log goes to stdout: unread, the pipe fills after some hundred requests
+        # and the server blocks on its next log line, answering nothing.
+        self.out = Lines(self.process.stdout)  # type: ignore[arg-type]
         self.sdk = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         deadline = time.monotonic() + 120
         while True:

@@ -36,7 +36,7 @@ from anex_pipeline.batch_api.objects import (
     now,
 )
 from anex_pipeline.batch_api.store import Store, key_hash
-from anex_pipeline.batch_api.worker import BatchWorker
+from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
 from anex_pipeline.retention import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
@@ -467,10 +467,12 @@ def create_app(
     max_upload_bytes: int = MAX_UPLOAD_BYTES,
     max_body_bytes: int = MAX_BODY_BYTES,
     media: MediaOptions | None = None,
+    max_running_batches: int = MAX_RUNNING,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
-    ``media`` is the operator's media policy (hosts and limits); callers may only narrow it."""
+    ``media`` is the operator's media policy (hosts and limits); callers may only narrow it.
+    Up to ``max_running_batches`` batches generate at once, sharing the engine."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -480,7 +482,7 @@ def create_app(
             "no API keys: start the service with --keys-file or ANEX_BATCH_API_KEYS "
             "(none are stored from an earlier start)"
         )
-    worker = BatchWorker(runner, store)
+    worker = BatchWorker(runner, store, max_running_batches)
     api = BatchApi(store, worker, key_hashes, media or MediaOptions())
 
     @asynccontextmanager

@@ -1,9 +1,12 @@
-"""Runs batches as ordinary pipeline jobs, one at a time, in background threads of the service.
+"""Runs batches as ordinary pipeline jobs, several at once, in background threads of the service.
 
-Two threads: one checks new batches (``JobRunner.submit``: a malformed file fails its batch with
-the line-numbered problems at once, even while another batch is generating), one runs checked
-batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster runs),
-sharing one loaded engine. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
+One thread checks new batches (``JobRunner.submit``: a malformed file fails its batch with the
+line-numbered problems at once, even while others are generating); ``max_running`` threads run
+checked batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster
+runs), all on the one loaded engine, which batches their rows together and gives each API key an
+even share of its room (:mod:`anex_pipeline.engine.sharing`): a small batch does not wait behind a
+large one. Batches of another model wait until the running ones are done, since an engine holds
+one model. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
 generation notices at its next engine step: the rows in flight are aborted, the finished ones are
 delivered, and every row that never ran is answered in the error file with ``batch_cancelled``
 (``batch_expired`` when the job ran out of its time limit). Closing the service (or SIGINT/SIGTERM
@@ -17,12 +20,14 @@ import json
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
+from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
@@ -34,7 +39,8 @@ from anex_pipeline.workdir.manifest import JobDir
 log = logging.getLogger("anex_pipeline.batch_api")
 
 MAX_ERRORS = 1000  # line-numbered problems kept on a failed batch
-CLOSE_WAIT_S = 30.0  # how long closing waits for the running job to stop and merge
+CLOSE_WAIT_S = 30.0  # how long closing waits for the running jobs to stop and merge
+MAX_RUNNING = 4  # batches generating at once, by default
 CANCELLED = "cancelled through the Batch API"
 SERVICE_STOPPED = "the Batch API service stopped; the batch resumes when it starts again"
 # Error of a row that never ran, by the code OpenAI gives it.
@@ -45,16 +51,23 @@ UNRUN = {
 
 
 class BatchWorker:
-    def __init__(self, runner: JobRunner, store: Store):
+    def __init__(self, runner: JobRunner, store: Store, max_running: int = MAX_RUNNING):
+        if max_running < 1:
+            raise ValueError(f"batches in progress at once must be at least 1, got {max_running}")
         self.runner = runner
         self.store = store
         self._checks: queue.Queue[str | None] = queue.Queue()
         self._runs: queue.Queue[str | None] = queue.Queue()
         self._closing = threading.Event()
-        self._running: JobDir | None = None
+        self._running: dict[str, JobDir] = {}  # batch id -> its job, while it generates
+        self._models: Counter[str] = Counter()  # model -> batches running it
+        self._turn = threading.Condition()  # guards both
         self._threads = [
             threading.Thread(target=self._loop, args=(self._checks, self._check), name="batch-check", daemon=True),
-            threading.Thread(target=self._loop, args=(self._runs, self._run), name="batch-run", daemon=True),
+            *(
+                threading.Thread(target=self._loop, args=(self._runs, self._run), name=f"batch-run-{n}", daemon=True)
+                for n in range(max_running)
+            ),
         ]
         self._counts: dict[Path, tuple[int, int, int]] = {}  # checkpoint -> (size, completed, failed)
 
@@ -68,11 +81,12 @@ class BatchWorker:
             thread.start()
 
     def close(self) -> None:
-        """Stops the running job (it resumes on the next start) and waits for it, unless it is
-        waiting for an engine load, which nothing can cut short."""
+        """Stops the running jobs (they resume on the next start) and waits for them, unless one
+        is waiting for an engine load, which nothing can cut short."""
         self._wind_down()
         self._checks.put(None)
-        self._runs.put(None)
+        for _ in self._threads[1:]:
+            self._runs.put(None)
         for thread in self._threads:
             if thread.is_alive() and engine_loading():
                 log.warning("closing while the engine loads: not waiting for it")
@@ -82,11 +96,13 @@ class BatchWorker:
                 log.warning("closing without waiting any longer for %s", thread.name)
 
     def _wind_down(self) -> None:
-        """Takes no new work and stops the running job; the next start resumes it."""
+        """Takes no new work and stops the running jobs; the next start resumes them."""
         self._closing.set()
-        running = self._running
-        if running is not None:
-            request_stop(running, SERVICE_STOPPED)
+        with self._turn:
+            running = list(self._running.values())
+            self._turn.notify_all()
+        for job in running:
+            request_stop(job, SERVICE_STOPPED)
 
     def enqueue(self, record: BatchRecord) -> None:
         (self._checks if record.job_id is None else self._runs).put(record.id)
@@ -173,7 +189,9 @@ class BatchWorker:
         if record is None or record.finished or record.job_id is None:
             return
         job = self.runner.storage.job(record.job_id)
-        self._running = job
+        model = record.model or job.manifest().model_name
+        if not self._take_turn(batch_id, job, model):
+            return
         try:
             # A stop left by an earlier start must not stop this run, but a cancel from now on
             # must: so the stop is cleared before the record is read again, not by the runner.
@@ -182,14 +200,30 @@ class BatchWorker:
             if self._closing.is_set():
                 return
             if record.cancelling_at is None:
-                self.runner.run(job, clear_stop=False)
+                with sharing_as(record.owner):  # the engine's room is shared out per API key
+                    self.runner.run(job, clear_stop=False)
                 if self._closing.is_set():
                     return  # not finished: the next start resumes it
         finally:
-            self._running = None
+            with self._turn:
+                del self._running[batch_id]
+                self._models[model] -= 1
+                self._models += Counter()  # drops models no batch runs any more
+                self._turn.notify_all()
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
             self.runner.run(job, shards=[], clear_stop=False)
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
+
+    def _take_turn(self, batch_id: str, job: JobDir, model: str) -> bool:
+        """Waits until no batch of another model runs (one engine holds one model at a time),
+        then counts the batch as running; False when the service closes first."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._closing.is_set() or set(self._models) <= {model})
+            if self._closing.is_set():
+                return False
+            self._running[batch_id] = job
+            self._models[model] += 1
+            return True
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""

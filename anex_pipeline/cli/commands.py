@@ -114,11 +114,21 @@ def _runner(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         memory_share=args.memory_share,
-        base_url=args.base_url,
+        base_url=_base_url(args.base_url),
         api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
         max_concurrency=args.max_concurrency,
     )
     return JobRunner(_instance(), storage, engine)
+
+
+def _base_url(given: list[str] | None) -> str | None:
+    """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
+    from anex_pipeline.engine.replicas import server_urls
+
+    try:
+        return ",".join(server_urls(given)) or None
+    except ValueError as exc:
+        raise UsageError(f"--base-url: {exc}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -293,9 +303,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif os.environ.get("ANEX_BATCH_API_KEYS"):
         keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
     media = _media_policy(args)
+    if args.max_running_batches < 1:
+        raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
     runner = _runner(args)
     try:
-        app = create_app(runner, keys, media=media)
+        app = create_app(runner, keys, media=media, max_running_batches=args.max_running_batches)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     try:

@@ -99,13 +99,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
     g.add_argument(
         "--base-url",
+        action="append",
         default=None,
         metavar="URL",
-        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here",
+        help="send rows to this OpenAI-compatible server (e.g. `vllm serve`) instead of loading vLLM here; "
+        "repeat it (or give a comma-separated list) for replicas of one model",
     )
     g.add_argument("--api-key", default=None, help="bearer token for --base-url; default: $ANEX_API_KEY")
     g.add_argument(
-        "--max-concurrency", type=int, default=32, help="with --base-url: requests in flight at once (default: 32)"
+        "--max-concurrency",
+        type=int,
+        default=32,
+        help="with --base-url: requests in flight at once per server (default: 32)",
     )
 
 
@@ -161,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST",
         help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
+    )
+    srv.add_argument(
+        "--max-running-batches",
+        type=int,
+        default=4,
+        metavar="N",
+        help="batches generating at once, their rows batched together on the one engine (default: 4)",
     )
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")

@@ -46,9 +46,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         if settings in _loaded:
             return _loaded[settings]
         if isinstance(settings, HttpSettings):
-            progress.info("sending rows to the model server at %s", settings.base_url)
-            _loaded[settings] = OpenAIHttpEngine(settings)
-            return _loaded[settings]
+            engine = _loaded[settings] = OpenAIHttpEngine(settings)
+            progress.info("sending rows to the model server(s) at %s", engine.root)
+            return engine
         failed = _failed.get(settings)
         if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_KEPT_S:  # e.g. a load ahead of time
             raise EngineLoadFailed(failed[1])

@@ -1,29 +1,34 @@
-"""The engine that sends rows to an OpenAI-compatible server, such as ``vllm serve`` on GPU machines.
+"""The engine that sends rows to OpenAI-compatible servers, such as ``vllm serve`` on GPU machines.
 
 Each row becomes one HTTP request to ``/v1/chat/completions``, ``/v1/completions`` or
-``/v1/embeddings``, carrying the row's body with the job's resolved values applied. Requests run
-on a bounded thread pool; 408, 429, 5xx answers and lost connections are retried with
-exponential backoff (a server's ``Retry-After`` wins). What the server answers is what the row
-gets: a success body passes through untouched (embedding vectors are scaled to unit length), and
-an error answer becomes the row's error with the server's status code.
+``/v1/embeddings``, carrying the row's body with the job's resolved values applied. With several
+servers (replicas of one model), rows are spread over them, ``max_concurrency`` in flight per
+server (:mod:`anex_pipeline.engine.replicas`). A row is tried again, on another server when it can,
+after a 408, 429 or 5xx answer or when its server gives no answer (which also takes that server out
+until it answers a probe); waits follow the shared retry policy (a server's ``Retry-After`` wins).
+What the server answers is what the row gets: a success body passes through untouched (embedding
+vectors are scaled to unit length), and an error answer becomes the row's error with the server's
+status code.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import random
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import unit_vector
-from anex_pipeline.net.retry import retry_after_seconds
+from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
+from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.request_fields import PROMPT_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
@@ -34,125 +39,273 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completion
 # opposed to an exception name such as vLLM's "BadRequestError".
 _OPENAI_ERROR_TYPE = re.compile(r"[a-z]+(_[a-z]+)*")
 STOP_POLL_S = 0.2  # longest wait between two stop checks while requests are in flight
+PROBE_TIMEOUT_S = 5.0  # a server that was taken out must answer its model list within this
 
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """Where and how to reach the server; two equal settings share one client."""
+    """Where and how to reach the servers; two equal settings share one client."""
 
-    base_url: str  # e.g. http://gpu-1:8000 (a trailing /v1 is accepted)
+    # e.g. http://gpu-1:8000 (a trailing /v1 is accepted); several: a comma-separated list or a tuple
+    base_url: str | tuple[str, ...]
     model_name: str  # the job's model
     model_named: bool = False  # the job named its model, so the server must serve exactly that one
     api_key: str | None = None
-    max_concurrency: int = 32
+    max_concurrency: int = 32  # per server
     timeout_s: float = 600.0  # per request, generation included
     retries: int = 4  # further attempts after the first
     backoff_s: float = 1.0  # first wait; doubles on every retry
     max_wait_s: float = 60.0  # cap on one wait, Retry-After included
 
+    @property
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(retries=self.retries, backoff_s=self.backoff_s, max_wait_s=self.max_wait_s)
+
 
 class ServerUnavailable(RuntimeError):
-    """The server cannot be used for the job at all (unreachable, refuses us, lacks the model)."""
+    """The servers cannot be used for the job at all (unreachable, refuse us, lack the model)."""
+
+
+class _Unusable(Exception):
+    """One server cannot serve the job (a wrong model, not an OpenAI server): no retry mends it."""
+
+
+@dataclass
+class _Row:
+    """A row on its way: the tries it has had, and the server of the last one."""
+
+    req: EngineRequest
+    tries: int = 0
+    last_server: Server | None = None
+
+
+@dataclass
+class _Tried:
+    """One try of a row on one server. ``retry`` says why another try may do better: "status"
+    (a retryable answer) or "no answer" (the server is gone, too)."""
+
+    outcome: RowOutcome
+    retry: str | None = None
+    retry_after: str | None = None
+    reason: str = ""
 
 
 class OpenAIHttpEngine:
-    """Runs rows on an OpenAI-compatible HTTP server."""
+    """Runs rows on one or several OpenAI-compatible HTTP servers serving the same model."""
 
     def __init__(self, settings: HttpSettings):
         if settings.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {settings.max_concurrency}")
         self.settings = settings
-        self.root = re.sub(r"/v1/?$", "", settings.base_url.rstrip("/"))
         headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        self.client = httpx.Client(
-            base_url=self.root,
-            headers=headers,
-            timeout=httpx.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 10.0)),
-            limits=httpx.Limits(
-                max_connections=settings.max_concurrency, max_keepalive_connections=settings.max_concurrency
-            ),
-        )
+        per_server = settings.max_concurrency
+        servers = [
+            Server(
+                root=server_root(url),
+                client=httpx.Client(
+                    base_url=server_root(url),
+                    headers=headers,
+                    timeout=httpx.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 10.0)),
+                    limits=httpx.Limits(max_connections=per_server + 1, max_keepalive_connections=per_server + 1),
+                ),
+            )
+            for url in server_urls(settings.base_url)
+        ]
+        self.root = ", ".join(s.root for s in servers)
+        self.pool = ServerPool(servers, per_server, settings.policy)
+        self.model_name = ""
         try:
-            self.model_name = self._served_model()
+            self._first_contact()
         except BaseException:
-            self.client.close()
+            self.shutdown()
             raise
 
     def shutdown(self) -> None:
-        self.client.close()
+        for server in self.pool.servers:
+            server.client.close()
 
-    def _served_model(self) -> str:
-        """The model name to send: the job's own when the server serves it; for a job that left
-        the model to its default, the server's only model."""
-        try:
-            response = self._send("GET", "/v1/models")
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot reach the model server at {self.root}: {exc}") from None
+    def served_rows(self) -> dict[str, int]:
+        """Rows each server answered over the engine's life."""
+        return {s.root: s.served for s in self.pool.servers}
+
+    # -- the model the servers serve -------------------------------------------------------------
+    def _first_contact(self) -> None:
+        """Finds the model to send (see :meth:`_model_of`) on the servers that answer, taking the
+        others out; tries again with backoff while none answers."""
+        policy = self.settings.policy
+        for attempt in itertools.count():
+            errors: dict[Server, str] = {}
+            for server in self.pool.servers:
+                try:
+                    self._check(server, self.settings.timeout_s)
+                except _Unusable as exc:
+                    raise ServerUnavailable(str(exc)) from None
+                except (httpx.TransportError, _Retryable) as exc:
+                    errors[server] = str(exc) if isinstance(exc, _Retryable) else repr(exc)
+            if len(errors) < len(self.pool.servers):
+                for server, reason in errors.items():
+                    self.pool.take_out(server, reason)
+                return
+            if not policy.may_retry(attempt + 1):
+                names = "; ".join(f"{s.root}: {reason}" for s, reason in errors.items())
+                raise ServerUnavailable(f"cannot reach the model server at {names}")
+            log.info("no model server answers yet; trying again")
+            time.sleep(policy.backoff(attempt))
+
+    def _check(self, server: Server, timeout_s: float) -> None:
+        """Asks the server for its models; the first server to answer sets the model name."""
+        response = server.client.get("/v1/models", timeout=timeout_s)
         if response.status_code != 200:
             error = row_error(response)
-            raise ServerUnavailable(
-                f"the model server at {self.root} answered {response.status_code} to /v1/models: {error.message}"
-            )
+            status = response.status_code
+            problem = f"the model server at {server.root} answered {status} to /v1/models: {error.message}"
+            raise (_Retryable if retryable_status(response.status_code) else _Unusable)(problem)
         try:
             served = [m["id"] for m in response.json()["data"]]
         except (ValueError, KeyError, TypeError) as exc:
-            raise ServerUnavailable(
-                f"{self.root}/v1/models is not an OpenAI model list ({exc!r}); is base_url an OpenAI-compatible server?"
+            raise _Unusable(
+                f"{server.root}/v1/models is not an OpenAI model list ({exc!r}); "
+                "is base_url an OpenAI-compatible server?"
             ) from None
-        wanted = self.settings.model_name
+        wanted = self.model_name or self.settings.model_name
         if wanted in served:
-            return wanted
-        if len(served) == 1 and not self.settings.model_named:
-            log.info("the job names no model; using %s, the one the server at %s serves", served[0], self.root)
-            return served[0]
-        raise ServerUnavailable(
-            f"the model server at {self.root} serves {served or 'no models'}, not the job's model {wanted!r}; "
+            self.model_name = wanted
+            return
+        if len(served) == 1 and not self.settings.model_named and not self.model_name:
+            log.info("the job names no model; using %s, the one the server at %s serves", served[0], server.root)
+            self.model_name = served[0]
+            return
+        raise _Unusable(
+            f"the model server at {server.root} serves {served or 'no models'}, not the job's model {wanted!r}; "
             "set the job's model to one of those, or start the server with --served-model-name"
         )
 
+    def _probe(self, server: Server) -> None:
+        """Asks a server that was taken out whether it can have rows again, and records the answer."""
+        error = None
+        try:
+            self._check(server, min(self.settings.timeout_s, PROBE_TIMEOUT_S))
+        except httpx.TransportError as exc:
+            error = repr(exc)
+        except (_Retryable, _Unusable) as exc:
+            error = str(exc)
+        self.pool.probed(server, error)
+
+    # -- rows ------------------------------------------------------------------------------------
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
         return collect(self.stream, requests)
 
     def stream(
         self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
     ) -> Iterator[list[RowOutcome]]:
-        """Sends a row whenever a slot frees up, so ``max_concurrency`` requests stay in flight,
-        and yields rows as they finish (``group_rows`` plays no part here). ``stop`` is called
-        whenever requests finish, and at least every :data:`STOP_POLL_S` while none does. When it
-        raises, or the generator is closed early, nothing more is sent and the answers of the
-        requests still in flight are dropped without waiting for them."""
+        """Sends a row whenever a server has a free slot, so ``max_concurrency`` requests stay in
+        flight on each server that is up, and yields rows as they finish (``group_rows`` plays no
+        part here). ``stop`` is called whenever requests finish, and at least every
+        :data:`STOP_POLL_S` while none does. When it raises, or the generator is closed early,
+        nothing more is sent and the answers of the requests still in flight are dropped without
+        waiting for them. Raises :class:`ServersDown` when every server is gone for good."""
         source = iter(requests)
-        room = self.settings.max_concurrency
-        pool = ThreadPoolExecutor(max_workers=room)
-        flying: set[Future[RowOutcome]] = set()
+        policy = self.settings.policy
+        waiting: list[tuple[float, int, _Row]] = []  # (monotonic time it may go again, order, row)
+        order = itertools.count()
+        flying: dict[Future[Any], tuple[Server, _Row | None]] = {}  # a probe has no row
+        executor = ThreadPoolExecutor(max_workers=self.pool.capacity + len(self.pool.servers))
+        more = True  # the source may have more rows
         try:
             while True:
-                while len(flying) < room and (req := next(source, None)) is not None:
-                    flying.add(pool.submit(self._run_one, req))
-                if not flying:
+                for server in self.pool.probes_due():
+                    flying[executor.submit(self._probe, server)] = (server, None)
+                while self.pool.has_room():
+                    row = _next_row(waiting, source)
+                    if row is None:  # none due, and the source has no more
+                        more = False
+                        break
+                    server = self.pool.reserve(avoid=row.last_server)  # a row tried again goes elsewhere if it can
+                    if server is None:  # another stream on the engine took the slot
+                        heapq.heappush(waiting, (time.monotonic(), next(order), row))
+                        break
+                    flying[executor.submit(self._try, server, row.req)] = (server, row)
+                if not flying and not waiting and not more:
                     break
-                finished, flying = wait(flying, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
-                if finished:
-                    yield [f.result() for f in finished]
+                if self.pool.dead():
+                    raise ServersDown(self.pool.down_message())
+                done = []
+                if flying:
+                    finished, _ = wait(flying, timeout=self._pause(waiting), return_when=FIRST_COMPLETED)
+                else:  # every server is out, or the rows left wait for their retry: wait for the soonest
+                    time.sleep(self._pause(waiting))
+                    finished = set()
+                for future in finished:
+                    server, row = flying.pop(future)
+                    if row is None:  # a probe (it recorded its result itself)
+                        continue
+                    tried: _Tried = future.result()
+                    row.tries += 1
+                    row.last_server = server
+                    if tried.retry == "no answer":
+                        self.pool.take_out(server, tried.reason)
+                    if tried.retry is None or not policy.may_retry(row.tries):
+                        done.append(self._final(row, tried))
+                        continue
+                    # A server that gave no answer is out: the row may go at once to another one.
+                    pause = 0.0 if tried.retry == "no answer" else policy.wait(row.tries - 1, tried.retry_after)
+                    log.info("row %s: %s; trying again", row.req.index, tried.reason)
+                    heapq.heappush(waiting, (time.monotonic() + min(pause, policy.max_wait_s), next(order), row))
+                if done:
+                    yield done
                 if stop is not None:
                     stop()
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for future, (server, row) in flying.items():  # what never started gives its slot back
+                if future.cancel() and row is not None:
+                    self.pool.release(server, answered=False)
+                elif future.cancelled():
+                    self.pool.probe_dropped(server)
+            executor.shutdown(wait=False)
 
-    def _run_one(self, req: EngineRequest) -> RowOutcome:
+    def _pause(self, waiting: list[tuple[float, int, _Row]]) -> float:
+        """How long the dispatcher may wait for a request to finish before it has other work."""
+        soonest = [STOP_POLL_S]
+        if waiting and self.pool.has_room():
+            soonest.append(max(0.0, waiting[0][0] - time.monotonic()))
+        if (probe := self.pool.next_probe_in()) is not None:
+            soonest.append(probe)
+        return min(soonest)
+
+    def _final(self, row: _Row, tried: _Tried) -> RowOutcome:
+        if tried.retry == "no answer":
+            message = (
+                f"no answer from the model servers after {row.tries} attempts; the last, to "
+                f"{tried.outcome.server}: {tried.reason}"
+            )
+            return replace(tried.outcome, error=RowError(message=message, type="engine_error"))
+        return tried.outcome
+
+    def _try(self, server: Server, req: EngineRequest) -> _Tried:
+        """One request for the row on one server, whose slot it gives back when done."""
+        tried = None
+        try:
+            tried = self._request(server, req)
+            return tried
+        finally:
+            self.pool.release(server, answered=tried is not None and tried.retry is None)
+
+    def _request(self, server: Server, req: EngineRequest) -> _Tried:
         body = request_body(req, self.model_name)
         try:
-            response = self._send(
-                "POST", ENDPOINT_PATHS[req.endpoint], json=body, headers={"X-Request-Id": req.request_id}
-            )
+            path, headers = ENDPOINT_PATHS[req.endpoint], {"X-Request-Id": req.request_id}
+            response = server.client.post(path, json=body, headers=headers)
         except httpx.TransportError as exc:
-            message = (
-                f"no answer from the model server at {self.root} after {self.settings.retries + 1} attempts: {exc!r}"
-            )
-            return RowOutcome(req.index, req.key, None, error=RowError(message=message, type="engine_error"))
+            lost = RowOutcome(req.index, req.key, None, server=server.root)
+            return _Tried(lost, retry="no answer", reason=repr(exc))
         if not response.is_success:
+            status = response.status_code
             error = named_context_error(row_error(response), req.endpoint)
-            return RowOutcome(req.index, req.key, response.status_code, error=error)
+            outcome = RowOutcome(req.index, req.key, status, error=error, server=server.root)
+            if retryable_status(response.status_code):
+                reason = f"{server.root} answered {response.status_code}"
+                return _Tried(outcome, retry="status", retry_after=response.headers.get("retry-after"), reason=reason)
+            return _Tried(outcome)
         try:
             payload = response.json()
             if req.endpoint == "embeddings":
@@ -163,32 +316,22 @@ class OpenAIHttpEngine:
             usage = row_usage(payload.get("usage"), req.endpoint)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             message = f"the model server answered {response.status_code} with no usable {req.endpoint} body: {exc!r}"
-            return RowOutcome(req.index, req.key, None, error=RowError(message=message, type="engine_error"))
-        return RowOutcome(req.index, req.key, response.status_code, body=payload, usage=usage)
+            error = RowError(message=message, type="engine_error")
+            return _Tried(RowOutcome(req.index, req.key, None, error=error, server=server.root))
+        status = response.status_code
+        return _Tried(RowOutcome(req.index, req.key, status, body=payload, usage=usage, server=server.root))
 
-    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request with retries; raises the last transport error when every attempt failed."""
-        for attempt in range(self.settings.retries + 1):
-            last = attempt == self.settings.retries
-            try:
-                response = self.client.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                if last:
-                    raise
-                log.info("%s %s failed (%r); retrying", method, path, exc)
-                time.sleep(self._wait(attempt, None))
-                continue
-            if last or not _retryable(response.status_code):
-                return response
-            log.info("%s %s answered %d; retrying", method, path, response.status_code)
-            time.sleep(self._wait(attempt, response))
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _wait(self, attempt: int, response: httpx.Response | None) -> float:
-        asked = retry_after_seconds(response.headers.get("retry-after")) if response is not None else None
-        if asked is None:
-            asked = self.settings.backoff_s * 2**attempt * random.uniform(0.5, 1.0)
-        return min(asked, self.settings.max_wait_s)
+class _Retryable(Exception):
+    """A server answered its model list with an answer that may be different a moment later."""
+
+
+def _next_row(waiting: list[tuple[float, int, _Row]], source: Iterator[EngineRequest]) -> _Row | None:
+    """A row whose retry is due, else the next new row; None when neither is there now."""
+    if waiting and waiting[0][0] <= time.monotonic():
+        return heapq.heappop(waiting)[2]
+    req = next(source, None)
+    return None if req is None else _Row(req)
 
 
 def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
@@ -262,10 +405,6 @@ def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:
         counts["reasoning_tokens"] = int(reasoning)
     counts["cached_prompt_tokens"] = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return counts
-
-
-def _retryable(status: int) -> bool:
-    return status in (408, 429) or status >= 500
 
 
 def _name_reasoning_as_specified(payload: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ from anex_pipeline.engine.parsing import (
     thinking_tags,
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
+from anex_pipeline.engine.sharing import Lane, Lanes
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.media.audio import audio_problem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
@@ -159,6 +160,7 @@ class VllmLocalEngine:
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
         self.dead = False
         self._request_ids = itertools.count()
+        self.lanes = Lanes()  # the streams running at once on this engine
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
         self.modalities = _modalities(self.llm) if self.multimodal else frozenset()
         self.audio_rate = _fixed_audio_rate(self.llm) if "audio" in self.modalities else None
@@ -355,46 +357,52 @@ class VllmLocalEngine:
         self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
     ) -> Iterator[list[RowOutcome]]:
         """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
-        the engine has room (at least ``group_rows`` in flight), and the rows each engine step
+        the engine has room (``group_rows`` plays no part), and the rows each engine step
         finished come back after that step. A row vLLM refuses fails alone. ``stop`` is called
         before every step; when it raises, or the generator is closed early, the rows still in
-        flight are aborted."""
+        flight are aborted. Streams running at once in several threads share the engine
+        (:mod:`anex_pipeline.engine.sharing`): their rows are batched together."""
         source = iter(requests)
         if self.settings.runner == "pooling":
             yield from in_groups(self._embed, source, group_rows, stop)
             return
         engine = self.llm.llm_engine
-        room = max(group_rows, 2 * engine.vllm_config.scheduler_config.max_num_seqs)
-        flights: dict[str, _Flight] = {}
+        # Twice what the engine runs at once keeps it full; more would only wait in vLLM's queue,
+        # first come first served, where a stream that starts later would wait behind it.
+        room = 2 * engine.vllm_config.scheduler_config.max_num_seqs
+        lane = self.lanes.join()
         done: list[RowOutcome] = []
         more = True
         try:
             with self._watched():
-                while more or flights:
+                while more or lane.flights:
                     if stop is not None:
                         stop()
-                    while more and len(flights) < room:
+                    while more and len(lane.flights) < self.lanes.room(lane, room):
                         req = next(source, None)
                         more = req is not None
                         if req is not None:
-                            self._start(req, flights, done)
-                    if flights:
-                        for out in engine.step():
-                            if out.finished:
-                                self._land(flights.pop(out.request_id), out, flights, done)
+                            self._start(req, lane, done)
+                    if lane.flights and not lane.finished:
+                        with self.lanes.lock:  # one step for every lane's rows
+                            self.lanes.deliver(engine.step())
+                    for out in self.lanes.take(lane):
+                        self._land(lane.flights.pop(out.request_id), out, lane, done)
                     if done:
                         yield done
                         done = []
         finally:
-            if flights and not self.dead:
-                engine.abort_request(list(flights))
+            with self.lanes.lock:
+                if lane.flights and not self.dead:
+                    engine.abort_request(list(lane.flights))
+                self.lanes.leave(lane)
 
-    def _start(self, req: EngineRequest, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
+    def _start(self, req: EngineRequest, lane: Lane, done: list[RowOutcome]) -> None:
         """Hands one row to the engine, or records why it cannot run."""
         try:
             prompt, ids = self._prompt(req)
             params = self._sampling_params(req, len(ids))
-            self._send(_Flight(req, ids, params), prompt, params, flights)
+            self._send(_Flight(req, ids, params), prompt, params, lane)
         except Exception as exc:
             done.append(self._refused(req, exc))
 
@@ -416,7 +424,7 @@ class VllmLocalEngine:
         cause = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         return rejected(req, f"the model rejected the request: {cause}", getattr(exc, "parameter", None))
 
-    def _send(self, flight: _Flight, prompt: Any, params: Any, flights: dict[str, _Flight]) -> None:
+    def _send(self, flight: _Flight, prompt: Any, params: Any, lane: Lane) -> None:
         """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
         engine (vLLM registers a request before it hands it to its engine process) and the error
         is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
@@ -425,16 +433,18 @@ class VllmLocalEngine:
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
         request_id = f"anex-{next(self._request_ids)}"
         engine = self.llm.llm_engine
-        try:
-            engine.add_request(request_id, prompt, params)
-        except Exception as exc:
-            if engine_gone(self.llm):
+        with self.lanes.lock:
+            try:
+                engine.add_request(request_id, prompt, params)
+            except Exception as exc:
+                if engine_gone(self.llm):
+                    raise
+                engine.abort_request([request_id])
+                if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
+                    problem = f"response_format cannot be used: {one_line(exc)}"
+                    raise RequestProblem(problem, "response_format") from None
                 raise
-            engine.abort_request([request_id])
-            if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
-                raise RequestProblem(f"response_format cannot be used: {one_line(exc)}", "response_format") from None
-            raise
-        flights[request_id] = flight
+            self.lanes.own(lane, request_id, flight)
 
     def _constraint_usable(self, params: Any) -> bool:
         """Whether vLLM accepts the row's structured-output constraint by itself (True when the row
@@ -450,14 +460,14 @@ class VllmLocalEngine:
             return False
         return True
 
-    def _land(self, flight: _Flight, res: Any, flights: dict[str, _Flight], done: list[RowOutcome]) -> None:
+    def _land(self, flight: _Flight, res: Any, lane: Lane, done: list[RowOutcome]) -> None:
         """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
         out = res.outputs[0]
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
             answer = Answer(list(out.token_ids), out.text, out.finish_reason)
             try:
-                if self._continue_after_notice(flight, answer, flights):
+                if self._continue_after_notice(flight, answer, lane):
                     return
             except Exception as exc:  # the continuation could not be added
                 done.append(self._refused(flight.req, exc))
@@ -466,7 +476,7 @@ class VllmLocalEngine:
             answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason)
         done.append(self._completion_outcome(flight, answer))
 
-    def _continue_after_notice(self, flight: _Flight, answer: Answer, flights: dict[str, _Flight]) -> bool:
+    def _continue_after_notice(self, flight: _Flight, answer: Answer, lane: Lane) -> bool:
         """A row whose trace the budget cut: the notice goes before the end tag and the answer is
         generated again after it, within what is left of the row's max_tokens. Returns whether
         the row is still in flight."""
@@ -489,7 +499,7 @@ class VllmLocalEngine:
         # Rendered again rather than reused: an engine input is made for one request (a media
         # row's may name its images by hash alone, for vLLM's processor cache to fill in).
         prompt, _ = self._prompt(flight.req)
-        self._send(flight, {**prompt, "prompt_token_ids": flight.prompt_ids + head}, follow, flights)
+        self._send(flight, {**prompt, "prompt_token_ids": flight.prompt_ids + head}, follow, lane)
         return True
 
     def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
@@ -502,7 +512,7 @@ class VllmLocalEngine:
                 outcomes[req.index] = rejected(req, problem, "input", CONTEXT_LENGTH_EXCEEDED)
             else:
                 ready.append((req, ids))
-        with self._watched():
+        with self._watched(), self.lanes.lock:  # one batch at a time on the engine
             finished = self._embed_isolating(ready)
         for req, outcome in finished:
             outcomes[req.index] = outcome

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import mimetypes
 import os
-import random
 import sqlite3
 import tempfile
 import threading
@@ -41,7 +40,7 @@ from anex_pipeline.media.guard import (
     allowed_endpoints,
 )
 from anex_pipeline.media.refs import MediaRef
-from anex_pipeline.net.retry import retry_after_seconds
+from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.spec import MediaOptions
 
 MAX_REDIRECTS = 5
@@ -307,8 +306,9 @@ class MediaFetcher:
     def _pause_before_retry(self, url: str, hop: str, retry: _Retry, attempt: int) -> None:
         """Waits as the server asked (or backs off), or raises when retrying is over."""
         retries = self.options.max_retries
-        wait = _retry_wait(retry.retry_after, attempt)
-        if attempt == retries:
+        policy = RetryPolicy(retries=retries, backoff_s=BACKOFF_BASE_S, max_wait_s=BACKOFF_CAP_S)
+        wait = policy.wait(attempt, retry.retry_after)
+        if not policy.may_retry(attempt + 1):
             raise MediaFetchError(
                 url,
                 f"the server answered {retry.status} {_phrase(retry.status)} to all "
@@ -350,7 +350,7 @@ class MediaFetcher:
                 status = response.status_code
                 if status in REDIRECT_CODES and "location" in response.headers:
                     return urljoin(hop, response.headers["location"])
-                if status == 429 or status >= 500:
+                if retryable_status(status):
                     raise _Retry(status, response.headers.get("retry-after"))
                 if not response.is_success:
                     raise MediaFetchError(url, f"the server answered {status} {_phrase(status)}", status, hop)
@@ -423,14 +423,6 @@ def _phrase(status: int) -> str:
         return httpx.codes(status).phrase
     except ValueError:
         return ""
-
-
-def _retry_wait(retry_after: str | None, attempt: int) -> float:
-    """Seconds to wait: the server's Retry-After (seconds or an HTTP date), else jittered backoff."""
-    asked = retry_after_seconds(retry_after)
-    if asked is not None:
-        return asked
-    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 def _check_scheme(url: str, hop: str) -> None:

@@ -39,7 +39,7 @@ from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.validate import parse_options
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline.workdir.timing import record_timing
+from anex_pipeline.workdir.timing import record_served, record_timing
 
 GROUP = "batch_job"
 PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often
@@ -224,6 +224,7 @@ def generations(
         summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
+    record_served(job, dict(summary.served_by))
     return dg.MaterializeResult(metadata=summary.as_metadata())
 
 

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from anex_pipeline.engine import Engine, EngineSettings, HttpSettings, load_engine, release_engines
 from anex_pipeline.engine.models import cache_root, local_model_path
+from anex_pipeline.engine.replicas import server_urls
 from anex_pipeline.storage import is_s3, localize_input
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 
@@ -64,12 +65,13 @@ class EngineResource(dg.ConfigurableResource):
     )
     base_url: str | None = Field(
         default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
-        description="OpenAI-compatible server to send rows to, e.g. http://gpu-1:8000; unset = vLLM in this process.",
+        description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "
+        "list of replicas of one model; unset = vLLM in this process.",
     )
     api_key: str | None = Field(
         default=None, description="Bearer token for base_url (give it as an EnvVar to keep it out of run config)."
     )
-    max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per process.")
+    max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per server.")
     timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
 
     def settings_for(self, manifest: JobManifest) -> EngineSettings:
@@ -95,9 +97,13 @@ class EngineResource(dg.ConfigurableResource):
 
     def engine_for(self, manifest: JobManifest) -> Engine:
         if self.base_url:
+            try:
+                servers = server_urls(self.base_url)
+            except ValueError as exc:
+                raise ValueError(f"the engine's base_url: {exc}") from None
             return load_engine(
                 HttpSettings(
-                    base_url=self.base_url,
+                    base_url=servers,
                     model_name=manifest.model_name,
                     model_named="model" in manifest.options,
                     api_key=self.api_key,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.formats import InputRow, StoredOutcome
@@ -65,9 +66,15 @@ class ShardSummary:
     completion_tokens: int = 0
     seconds: float = 0.0  # the whole step, the engine's loading included
     engine_wait_s: float = 0.0  # waiting for the engine to load (it may have started loading earlier)
+    served_by: Counter[str] = field(default_factory=Counter)  # model server -> rows it answered (HTTP engine)
 
-    def as_metadata(self) -> dict[str, float | int]:
-        return {k: v for k, v in asdict(self).items() if k != "shard"}
+    def as_metadata(self) -> dict[str, float | int | dict[str, int]]:
+        figures: dict[str, float | int | dict[str, int]] = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shard", "served_by")
+        }
+        if self.served_by:
+            figures["served_by"] = dict(self.served_by)
+        return figures
 
 
 def run_shard(
@@ -114,6 +121,7 @@ def run_shard(
         ordered = stream_checked(engine, feed.requests, group_rows, stop, order=options.prefix_order)
         with closing(ordered) as finishing:
             for rows in itertools.chain(finishing, [[]]):  # the empty list delivers what is left
+                summary.served_by.update(o.server for o in rows if o.server is not None)
                 outcomes = feed.delivered(rows)
                 if not outcomes:
                     continue

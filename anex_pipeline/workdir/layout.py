@@ -34,6 +34,7 @@ ANSWERS_DIR = "answers"
 DEADLINE = "deadline.json"
 STOP = "stop.json"
 TIMINGS = "timings.json"
+SERVED_BY = "served_by.json"  # rows each model server answered
 RESULT_STEM = "result"
 REPORT = "report.json"
 LEASE = "cli.lock"

@@ -157,6 +157,10 @@ class JobDir:
         return self.root / layout.TIMINGS
 
     @property
+    def served_by_path(self) -> Path:
+        return self.root / layout.SERVED_BY
+
+    @property
     def lease_path(self) -> Path:
         return self.root / layout.LEASE
 

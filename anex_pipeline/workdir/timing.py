@@ -1,25 +1,43 @@
-"""A job's stage timings: seconds per stage, summed over shards and reruns, kept in its work folder
-for the report."""
+"""Figures a job adds up over its shards and reruns, kept in its work folder for the report: the
+seconds of each stage, and the rows each model server answered."""
 
 from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 from anex_pipeline.workdir.manifest import JobDir, atomic_write_text
 
-_timings_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
+_sums_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
+
+
+def _add_to(path: Path, amounts: dict[str, float]) -> None:
+    with _sums_lock:
+        sums = json.loads(path.read_text()) if path.exists() else {}
+        for name, amount in amounts.items():
+            sums[name] = round(sums.get(name, 0) + amount, 3)
+        atomic_write_text(path, json.dumps(sums, indent=2))
+
+
+def _read(path: Path) -> dict[str, float]:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def record_timing(job: JobDir, stage: str, seconds: float) -> None:
     """Adds a stage's seconds to the job's timings (summed over shards and reruns)."""
-    path = job.timings_path
-    with _timings_lock:
-        timings = json.loads(path.read_text()) if path.exists() else {}
-        timings[stage] = round(timings.get(stage, 0.0) + seconds, 3)
-        atomic_write_text(path, json.dumps(timings, indent=2))
+    _add_to(job.timings_path, {stage: seconds})
 
 
 def read_timings(job: JobDir) -> dict[str, float]:
-    path = job.timings_path
-    return json.loads(path.read_text()) if path.exists() else {}
+    return _read(job.timings_path)
+
+
+def record_served(job: JobDir, rows_by_server: dict[str, int]) -> None:
+    """Adds to the rows each model server answered for the job (HTTP engine)."""
+    if rows_by_server:
+        _add_to(job.served_by_path, rows_by_server)
+
+
+def read_served(job: JobDir) -> dict[str, int]:
+    return {server: int(rows) for server, rows in _read(job.served_by_path).items()}
