@@ -25,6 +25,7 @@ import dagster as dg
 
 from anex_pipeline.batch_api.objects import FileRecord
 from anex_pipeline.batch_api.store import Store
+from anex_pipeline.errors import RejectedError
 from anex_pipeline.orchestration.partitions import forget_job, shard_keys_on
 from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
 from anex_pipeline.spec import JobReport
@@ -43,7 +44,7 @@ def parse_age(text: str) -> float:
     return float(found[1]) * UNITS[found[2]]
 
 
-class JobRunning(Exception):
+class JobRunning(RejectedError):
     """The job is running, so it is left alone."""
 
 

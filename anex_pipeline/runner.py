@@ -19,6 +19,7 @@ from typing import IO, Any
 import dagster as dg
 
 from anex_pipeline.engine import release_engines
+from anex_pipeline.errors import AnexError
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import job_shard_key, register_job
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
@@ -39,7 +40,7 @@ log = logging.getLogger("anex_pipeline.progress")
 QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "CRITICAL"}}}
 
 
-class StepFailed(Exception):
+class StepFailed(AnexError):
     """A Dagster step of the job failed; its message is the step's error."""
 
 

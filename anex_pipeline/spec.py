@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from anex_pipeline.errors import RejectedError
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
@@ -121,7 +122,7 @@ class Problem:
         return f"{', '.join(where)}: {self.message}" if where else self.message
 
 
-class JobRejected(Exception):
+class JobRejected(RejectedError):
     """A job failed its submit-time checks; nothing was run and no result was written."""
 
     def __init__(self, problems: list[Problem], total: int | None = None):

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import TypeVar
 
 from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.errors import AnexError
 from anex_pipeline.workdir.manifest import JobDir
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ FIRST_SIGNAL_LINE = (
 )
 
 
-class JobStopped(Exception):
+class JobStopped(AnexError):
     """The job was asked to stop (cancelled or out of time); finished rows are kept."""
 
 

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from anex_pipeline.errors import AnexError
+
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
@@ -55,7 +57,7 @@ def local_name(key: str) -> str:
     return name or "input"
 
 
-class OutputNotWritable(Exception):
+class OutputNotWritable(AnexError):
     """The result location cannot be written; the finished rows stay in the job's work folder."""
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from anex_pipeline import cli
 from anex_pipeline.cli import commands
+from anex_pipeline.errors import ExitCode
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_sensors import local_deployment, submitted
@@ -103,7 +104,7 @@ def test_no_output_or_report_path_writes_over_what_the_job_reads(
         written = [FILE_OF[output[1]]] + ([FILE_OF[report[1]]] if report else [])
         refused = bool(read & set(written)) or "sub" in written or len(set(written)) < len(written)
         event("refused" if refused else "written")
-        assert code == (cli.EXIT_REJECTED if refused else cli.EXIT_OK)
+        assert code == (ExitCode.REJECTED if refused else ExitCode.OK)
         if not refused:
             assert len(read_jsonl(root / output[1])) == 3
 
@@ -206,7 +207,7 @@ def test_fifos_and_folders_are_refused_without_waiting(
     (tmp_path / "sub").mkdir()
     if fifo:
         os.mkfifo(tmp_path / fifo)
-    assert without_hanging(lambda: cli.main(args), tmp_path / (fifo or "sub")) == cli.EXIT_REJECTED
+    assert without_hanging(lambda: cli.main(args), tmp_path / (fifo or "sub")) == ExitCode.REJECTED
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
     assert not (tmp_path / "out.jsonl").exists() and (tmp_path / (fifo or "sub")).exists()

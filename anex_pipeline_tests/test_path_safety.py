@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from anex_pipeline.errors import ExitCode
 from anex_pipeline.orchestration.inboxes import S3InboxSettings, bucket_arrivals
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.storage import OutputNotWritable, localize_input, publish, unsafe_key
@@ -153,7 +154,7 @@ def test_backfill_refuses_a_job_id_that_is_not_a_folder_name(
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    assert cli.main(["backfill", job_id, "--quiet"]) == cli.EXIT_REJECTED
+    assert cli.main(["backfill", job_id, "--quiet"]) == ExitCode.REJECTED
     assert "cannot name a job folder" in capsys.readouterr().err
 
 

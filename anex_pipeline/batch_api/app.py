@@ -37,6 +37,7 @@ from anex_pipeline.batch_api.objects import (
 )
 from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
+from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
 from anex_pipeline.retention import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
@@ -449,7 +450,12 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 async def _api_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
+    """Every user-facing error a route raises: an :class:`ApiError` as it is; any other one as its
+    one line, a 400 when it refuses the request, else a 500."""
+    assert isinstance(exc, AnexError)
+    if not isinstance(exc, ApiError):
+        status = 400 if exc.exit_code == ExitCode.REJECTED else 500
+        exc = ApiError(status, exc.message, type=RowErrorType.INVALID_REQUEST if status == 400 else "server_error")
     return error_response(exc)
 
 
@@ -505,6 +511,6 @@ def create_app(
     return Starlette(
         routes=routes,
         middleware=[Middleware(BodyLimit, upload_bytes=max_upload_bytes, body_bytes=max_body_bytes)],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={AnexError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.spec import INVALID_VALUE, JobReport, RequestCounts
 
 BatchStatus = Literal[
@@ -30,7 +31,7 @@ def now() -> int:
     return int(time.time())
 
 
-class ApiError(Exception):
+class ApiError(AnexError):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; a
     400 about a field has OpenAI's ``invalid_value`` code unless it is given a closer one."""
 
@@ -39,7 +40,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",
+        type: str = RowErrorType.INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
     ):

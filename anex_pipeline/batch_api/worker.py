@@ -28,6 +28,7 @@ from typing import Any
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.sharing import sharing_as
+from anex_pipeline.errors import RowErrorType
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
@@ -300,7 +301,7 @@ def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
             for line in src:
                 yield line, json.loads(line)["error"] is not None
             return
-        error = RowError(message=UNRUN[unrun], type="batch_error", code=unrun).as_dict()
+        error = RowError(message=UNRUN[unrun], type=RowErrorType.BATCH, code=unrun).as_dict()
         for shard in range(len(job.manifest().shards)):
             answered = {o.i for o in job.outcomes(shard)}  # the rows the result has a line for
             for row in job.read_requests(shard):

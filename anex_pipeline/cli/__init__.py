@@ -1,8 +1,8 @@
 """The ``anex-pipeline`` command: run, validate, backfill, report, serve, and list, delete and prune jobs.
 
-Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
-1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit (nothing
-ran, no result file).
+Exit codes (:class:`~anex_pipeline.errors.ExitCode`): 0 when the job completed with at least one row
+answered (other rows may have failed), 1 when it failed, stopped early or no row succeeded, 2 when
+it was rejected at submit (nothing ran, no result file).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import os
 import sys
 
 from anex_pipeline.cli.commands import (
-    EXIT_OK,
-    EXIT_REJECTED,
-    EXIT_STOPPED,
     cmd_backfill,
     cmd_delete,
     cmd_list,
@@ -24,16 +21,13 @@ from anex_pipeline.cli.commands import (
     cmd_serve,
     cmd_validate,
 )
-from anex_pipeline.cli.parser import UsageError, build_parser
-
-__all__ = ["EXIT_OK", "EXIT_REJECTED", "EXIT_STOPPED", "entry", "main"]
+from anex_pipeline.cli.parser import build_parser
+from anex_pipeline.errors import AnexError, ExitCode
 
 
 def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
     """Runs one command. With ``own_terminal`` (the installed command) the engine's and libraries'
     messages go to a log file unless ``--verbose``; called from Python, stderr is left alone."""
-    from anex_pipeline.spec import JobRejected
-
     args = build_parser().parse_args(argv)
     args.own_terminal = own_terminal
     handlers = {
@@ -48,15 +42,12 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
     }
     try:
         return handlers[args.command](args)
-    except JobRejected as exc:
+    except AnexError as exc:
         print(exc.render(), file=sys.stderr)
-        return EXIT_REJECTED
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_REJECTED
+        return exc.exit_code
     except KeyboardInterrupt:  # Ctrl-C outside generation (which stops the job more gently)
         print("stopped: cancelled by the user; rerun the same command to resume", file=sys.stderr)
-        return EXIT_STOPPED
+        return ExitCode.STOPPED
 
 
 def entry() -> None:

@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options
+from anex_pipeline.errors import AnexError, ExitCode
 
-# Exit codes: 0 when the job completed with at least one row answered (other rows may have failed),
-# 1 when it failed, stopped early or no row succeeded, 2 when it was rejected at submit.
-EXIT_OK, EXIT_STOPPED, EXIT_REJECTED = 0, 1, 2
 LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
 
 
@@ -202,7 +200,6 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     from sqlalchemy.exc import DBAPIError
 
     from anex_pipeline.console import close_progress
-    from anex_pipeline.runner import StepFailed
 
     resume = (
         "the rows finished so far are kept: make room (or fix the location) and run the same command again to resume"
@@ -210,17 +207,17 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     try:
         with contextlib.redirect_stderr(_WithoutStorageNoise(sys.stderr)):
             report = work()
-    except StepFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_STOPPED
+    except AnexError as exc:  # a failed step: printed before the progress display closes
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
     except OSError as exc:  # the work folder cannot be written, e.g. its disk is full
         print(
             f"error: cannot write {exc.filename or 'the work folder'}: {exc.strerror or exc}; {resume}", file=sys.stderr
         )
-        return EXIT_STOPPED
+        return ExitCode.STOPPED
     except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
         print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
-        return EXIT_STOPPED
+        return ExitCode.STOPPED
     finally:
         close_progress()
         runner.close()
@@ -233,12 +230,12 @@ def _finish(report: Any) -> int:
     if report.status == "completed" and counts.total and not counts.completed:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(report.error_counts.items(), key=lambda kv: -kv[1]))
         print(f"job failed: no row succeeded ({kinds}); each row's error is in {report.output}", file=sys.stderr)
-        return EXIT_STOPPED
+        return ExitCode.STOPPED
     if report.status == "completed":
         print(f"result: {report.output}", file=sys.stderr)
-        return EXIT_OK
+        return ExitCode.OK
     print(f"error: job {report.status}: {report.failure_reason}", file=sys.stderr)
-    return EXIT_STOPPED
+    return ExitCode.STOPPED
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -274,7 +271,7 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
     print(f"ok: {count} rows, {kind}, {endpoint} endpoint")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -285,7 +282,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"cannot read report {path}: {exc.strerror}") from None
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -314,7 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         runner.close()
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _work_root(args: argparse.Namespace) -> Path:
@@ -334,7 +331,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(table(entries, at))
     else:
         print(f"no jobs under {_work_root(args)}", file=sys.stderr)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
@@ -354,7 +351,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     except JobRunning as exc:
         raise UsageError(str(exc)) from None
     print(f"deleted job {job.job_id}", file=sys.stderr)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -372,4 +369,4 @@ def cmd_prune(args: argparse.Namespace) -> int:
             print(f"{'would remove' if args.dry_run else 'removed'} {r.kind} {r.id}: {r.reason}")
         if not removed:
             print("nothing to remove", file=sys.stderr)
-    return EXIT_OK
+    return ExitCode.OK

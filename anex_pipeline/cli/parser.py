@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.errors import RejectedError
+
 # Flags that map one-to-one onto job options: (flag, option name, type).
 OPTION_FLAGS: list[tuple[str, str, Any]] = [
     ("--model", "model", str),
@@ -71,7 +73,7 @@ BOOL_HELP: dict[str, str] = {
 }
 
 
-class UsageError(Exception):
+class UsageError(RejectedError):
     """A mistake in the command line or the options file."""
 
 

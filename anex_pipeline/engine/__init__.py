@@ -10,6 +10,7 @@ from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.engine.vllm_local import EngineSettings
+from anex_pipeline.errors import AnexError
 
 __all__ = [
     "Engine",
@@ -30,7 +31,7 @@ FAILED_LOAD_KEPT_S = 60.0  # how long a failed load's reason answers for the sam
 _failed: dict[EngineSettings, tuple[float, str]] = {}  # settings -> when and why their latest load failed
 
 
-class EngineLoadFailed(Exception):
+class EngineLoadFailed(AnexError):
     """The engine could not be loaded (e.g. the model is missing, its configuration is not one
     vLLM accepts, or memory ran out): loading it again at once with the same settings would fail
     the same way, so for :data:`FAILED_LOAD_KEPT_S` the same settings get the same failure."""

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from anex_pipeline.engine import prefix_order
 from anex_pipeline.engine.structured import mark_completion
+from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
 from anex_pipeline.responses import as_response
@@ -206,7 +207,7 @@ def rejected(request: EngineRequest, message: str, param: str | None = None, cod
         index=request.index,
         key=request.key,
         status_code=400,
-        error=RowError(message=message, type="invalid_request_error", code=code, param=param),
+        error=RowError(message=message, type=RowErrorType.INVALID_REQUEST, code=code, param=param),
     )
 
 
@@ -216,5 +217,5 @@ def engine_failure(request: EngineRequest, message: str) -> RowOutcome:
         index=request.index,
         key=request.key,
         status_code=500,
-        error=RowError(message=message, type="engine_error"),
+        error=RowError(message=message, type=RowErrorType.ENGINE),
     )

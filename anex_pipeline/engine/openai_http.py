@@ -28,6 +28,7 @@ import httpx
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import unit_vector
 from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
+from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.request_fields import PROMPT_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
@@ -62,7 +63,7 @@ class HttpSettings:
         return RetryPolicy(retries=self.retries, backoff_s=self.backoff_s, max_wait_s=self.max_wait_s)
 
 
-class ServerUnavailable(RuntimeError):
+class ServerUnavailable(AnexError, RuntimeError):
     """The servers cannot be used for the job at all (unreachable, refuse us, lack the model)."""
 
 
@@ -278,7 +279,7 @@ class OpenAIHttpEngine:
                 f"no answer from the model servers after {row.tries} attempts; the last, to "
                 f"{tried.outcome.server}: {tried.reason}"
             )
-            return replace(tried.outcome, error=RowError(message=message, type="engine_error"))
+            return replace(tried.outcome, error=RowError(message=message, type=RowErrorType.ENGINE))
         return tried.outcome
 
     def _try(self, server: Server, req: EngineRequest) -> _Tried:
@@ -316,7 +317,7 @@ class OpenAIHttpEngine:
             usage = row_usage(payload.get("usage"), req.endpoint)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             message = f"the model server answered {response.status_code} with no usable {req.endpoint} body: {exc!r}"
-            error = RowError(message=message, type="engine_error")
+            error = RowError(message=message, type=RowErrorType.ENGINE)
             return _Tried(RowOutcome(req.index, req.key, None, error=error, server=server.root))
         status = response.status_code
         return _Tried(RowOutcome(req.index, req.key, status, body=payload, usage=usage, server=server.root))
@@ -372,9 +373,9 @@ def row_error(response: httpx.Response) -> RowError:
     if isinstance(server_type, str) and _OPENAI_ERROR_TYPE.fullmatch(server_type):
         kind = server_type
     elif 400 <= response.status_code < 500 and response.status_code != 429:
-        kind = "invalid_request_error"
+        kind = RowErrorType.INVALID_REQUEST
     else:
-        kind = "engine_error"
+        kind = RowErrorType.ENGINE
     param = info.get("param")
     return RowError(
         message=str(message),
@@ -387,7 +388,7 @@ def row_error(response: httpx.Response) -> RowError:
 def named_context_error(error: RowError, endpoint: str) -> RowError:
     """The server's refusal of a row over the model's context, with OpenAI's code for it
     (vLLM's server gives the HTTP status as code, and names its own token count as param)."""
-    if error.type != "invalid_request_error" or "maximum context length" not in error.message:
+    if error.type != RowErrorType.INVALID_REQUEST or "maximum context length" not in error.message:
         return error
     param = PROMPT_FIELDS[endpoint] if error.param in (None, "input_tokens", "input_text") else error.param
     return RowError(message=error.message, type=error.type, code=CONTEXT_LENGTH_EXCEEDED, param=param)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import JobOptions
 
 # The line that closes a trace cut short by the thinking budget, before the model's end tag.
@@ -68,7 +69,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-class ParserChoiceError(ValueError):
+class ParserChoiceError(RejectedError, ValueError):
     """A job names a parser vLLM does not have, or asks for parsing the model has no parser for."""
 
 

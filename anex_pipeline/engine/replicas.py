@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from anex_pipeline.errors import AnexError
 from anex_pipeline.net.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def server_root(url: str) -> str:
     return re.sub(r"/v1/?$", "", url.rstrip("/"))
 
 
-class ServersDown(RuntimeError):
+class ServersDown(AnexError, RuntimeError):
     """Every model server stopped answering and none came back while they were probed."""
 
 

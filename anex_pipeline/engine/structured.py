@@ -11,6 +11,7 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from anex_pipeline.errors import RowErrorType
 from anex_pipeline.spec import RowOutcome
 
 
@@ -59,7 +60,7 @@ def mark_completion(outcome: RowOutcome, response_format: dict[str, Any] | None,
         text = choice.get("text") if endpoint == "completions" else choice["message"].get("content")
         outcome.format_error = cut or answer_problem(text, response_format) is not None
     if cut:
-        outcome.completion_flag = "length"
+        outcome.completion_flag = RowErrorType.LENGTH
     elif outcome.format_error:
-        outcome.completion_flag = "format_error"
+        outcome.completion_flag = RowErrorType.FORMAT
     return outcome

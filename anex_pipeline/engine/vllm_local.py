@@ -52,6 +52,7 @@ from anex_pipeline.engine.parsing import (
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.sharing import Lane, Lanes
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
+from anex_pipeline.errors import AnexError
 from anex_pipeline.media.audio import audio_problem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
@@ -119,12 +120,11 @@ class Answer:
     finish_reason: str
 
 
-class RequestProblem(Exception):
+class RequestProblem(AnexError):
     """A row that cannot be sent to the model as it is."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.message = message
         self.param = param
         self.code = code
 

@@ -19,8 +19,10 @@ from multiprocessing import Pipe, connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from anex_pipeline.errors import AnexError
 
-class EngineProcessDied(RuntimeError):
+
+class EngineProcessDied(AnexError, RuntimeError):
     """vLLM's engine process ended during a call; the engine cannot be used any more."""
 
 

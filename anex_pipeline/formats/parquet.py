@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from anex_pipeline import responses
+from anex_pipeline.errors import RejectedError
 from anex_pipeline.formats import InputRow, StoredOutcome, arrow_checkpoint
 from anex_pipeline.formats.images import image_part
 from anex_pipeline.spec import DUPLICATE_ID, INVALID_VALUE, MISSING_PARAMETER, Endpoint, JobOptions, Problem, RowOutcome
@@ -45,7 +46,7 @@ PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
 }
 
 
-class ParquetInputError(Exception):
+class ParquetInputError(RejectedError):
     """The file cannot be read as Parquet, or lacks what a job needs; carries the problems."""
 
     def __init__(self, problems: list[Problem]):

@@ -32,6 +32,7 @@ import httpcore
 import httpx
 
 from anex_pipeline.engine.models import cache_root
+from anex_pipeline.errors import AnexError
 from anex_pipeline.media.guard import (
     _client,
     _deadline,
@@ -67,7 +68,7 @@ class _OutOfTime(Exception):
     """The job's time limit ran out before this media arrived; the media are not at fault."""
 
 
-class MediaFetchError(Exception):
+class MediaFetchError(AnexError):
     """Media that could not be fetched; ``status`` is the remote HTTP status when there was one."""
 
     def __init__(self, url: str, reason: str, status: int | None = None, hop: str | None = None):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.engine.parsing import choose_parsers
+from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
 from anex_pipeline.spec import EstimateReport, RowOutcome
@@ -104,7 +105,7 @@ def _sample_and_bound(
         methods.append("max_tokens: set by user")
     else:
         lengths = [o.usage.get("completion_tokens", 0) for o in done]
-        cut = sum(1 for o in done if o.completion_flag == "length")
+        cut = sum(1 for o in done if o.completion_flag == RowErrorType.LENGTH)
         report.max_tokens, method = _bound(lengths, cut, cap, "sample rows succeeded; no cap beyond the context")
         methods.append(f"max_tokens: {method} (the cap of every row that sets none)")
         if lengths:
@@ -151,7 +152,7 @@ def reusable_samples(job: JobDir, estimate: EstimateReport, start: int, stop: in
         for i, o in read_outcomes(job.sample_path).items()
         if start <= i < stop
         and o.ok
-        and (o.completion_flag != "length" or cap is not None)
+        and (o.completion_flag != RowErrorType.LENGTH or cap is not None)
         and (cap is None or o.usage.get("completion_tokens", 0) <= cap)
         and (estimate.reasoning_budget is None or o.usage.get("reasoning_tokens", 0) < estimate.reasoning_budget)
     }

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
 from anex_pipeline.media.fetcher import (
@@ -38,7 +39,7 @@ def media_failure(row: InputRow, ref: MediaRef, error: MediaFetchError) -> RowOu
         index=row.index,
         key=row.key,
         status_code=error.status,
-        error=RowError(message=str(error), type="media_fetch_error", code=error.status, param=ref.param),
+        error=RowError(message=str(error), type=RowErrorType.MEDIA_FETCH, code=error.status, param=ref.param),
     )
 
 

@@ -1,0 +1,57 @@
+"""The errors a user sees, and the types a failed row's error can have.
+
+Every exception whose message reaches a person (on the terminal, in a Batch API answer, in a
+failed row or a step's failure) derives from :class:`AnexError`: it carries one line saying what
+went wrong, where, and what to change, and the exit status the command ends with. The command
+line and the Batch API each handle the base class in one place.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class ExitCode(IntEnum):
+    """How ``anex-pipeline`` ends."""
+
+    OK = 0  # the job completed with at least one row answered (other rows may have failed)
+    STOPPED = 1  # the job failed, stopped early, or no row succeeded
+    REJECTED = 2  # refused before anything ran (a submit-time problem, a usage mistake)
+
+
+class AnexError(Exception):
+    """A failure the user can act on. ``message`` is the one line shown for it (some subclasses
+    render more lines: see :meth:`render`); ``exit_code`` is the status the command ends with."""
+
+    exit_code: ExitCode = ExitCode.STOPPED
+
+    def __init__(self, message: str, *args: object):
+        super().__init__(message, *args)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def render(self) -> str:
+        """What the command prints for this error."""
+        return f"error: {self.message}"
+
+
+class RejectedError(AnexError):
+    """A failure of the kind that refuses a job before anything runs (exit status 2)."""
+
+    exit_code = ExitCode.REJECTED
+
+
+class RowErrorType(StrEnum):
+    """The ``error.type`` of a failed row, as written into result and error files. The values are
+    the strings OpenAI's batch output uses (plus our own for media and the Batch API), so readers
+    that compare strings keep working."""
+
+    INVALID_REQUEST = "invalid_request_error"  # the row cannot be run as it is (a 400)
+    ENGINE = "engine_error"  # the engine failed on the row
+    MEDIA_FETCH = "media_fetch_error"  # media the row references could not be downloaded
+    BATCH = "batch_error"  # the batch ended (cancelled, expired, failed) before the row ran
+    # A Parquet result's error_type column also flags rows that succeeded with a caveat:
+    LENGTH = "length"  # the answer stopped at its token cap
+    FORMAT = "format_error"  # the answer is not the JSON its response_format asked for
