@@ -20,6 +20,7 @@ import dagster as dg
 
 from anex_pipeline.engine import release_engines
 from anex_pipeline.errors import AnexError
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import job_shard_key, register_job
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
@@ -28,7 +29,6 @@ from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
 from anex_pipeline.storage import is_s3
-from anex_pipeline.validate import parse_options
 from anex_pipeline.workdir.lease import take_lease
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, unfinished_shards
 from anex_pipeline.workdir.timing import record_timing
@@ -70,7 +70,7 @@ class JobRunner:
     ) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
         is where ``raw_options`` were read from, if from a file."""
-        options = parse_options(raw_options)
+        options = job_options(raw_options)
         work_root = Path(self.storage.work_root).expanduser()
         job = prepare_job(
             self.storage.local_input(input_path, work_root / "inputs"),

@@ -6,13 +6,10 @@ and turn them into :class:`~anex_pipeline.spec.Problem` objects.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
-
-from pydantic import BaseModel, ValidationError
 
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
@@ -22,9 +19,6 @@ from anex_pipeline.spec import (
     MISSING_PARAMETER,
     UNKNOWN_PARAMETER,
     Endpoint,
-    JobOptions,
-    JobRejected,
-    Problem,
 )
 
 
@@ -392,43 +386,6 @@ def _check_embedding_input(value: Any) -> list[FieldProblem]:
     return [wrong_kind("body.input", value, f"an embeddings row needs a string input, got {_kind(value)}")]
 
 
-def parse_options(raw: dict[str, Any]) -> JobOptions:
-    """Builds JobOptions from a dict (options file + CLI flags), or raises JobRejected."""
-    _reject_numbers(raw)  # NaN would otherwise meet a bound's check first, with a puzzling message
-    try:
-        options = JobOptions.model_validate(raw)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "options"
-            msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(Problem(f"{msg} (options)", field=loc, code=pydantic_code(err["type"])))
-        raise JobRejected(problems) from None
-    _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
-    if options.shards is not None and options.shard_rows is not None:
-        raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
-    found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
-    if found:
-        raise JobRejected(_as_options(found))
-    if options.response_format is not None:
-        found = check_response_format(options.response_format, "response_format")
-        if found:
-            raise JobRejected(_as_options(found))
-    if options.reasoning_parser is not None or options.tool_parser is not None:
-        from anex_pipeline.engine.parsing import ParserChoiceError, check_parser_names  # imports vLLM
-
-        try:
-            check_parser_names(options.reasoning_parser, options.tool_parser)
-        except ParserChoiceError as exc:
-            raise JobRejected([Problem(f"{exc} (options)", field="reasoning_parser/tool_parser")]) from None
-    return options
-
-
-def _as_options(found: list[FieldProblem]) -> list[Problem]:
-    """Problems of job options, each named as the option (the rows' own checks say ``body.``)."""
-    return [Problem(f"{p.message} (options)", field=p.field.removeprefix("body."), code=p.code) for p in found]
-
-
 def pydantic_code(error_type: str) -> str:
     """OpenAI's code for a pydantic validation error's type (``missing``, ``int_parsing``, ...)."""
     if error_type == "missing":
@@ -438,25 +395,6 @@ def pydantic_code(error_type: str) -> str:
     if error_type.endswith(("_type", "_parsing")):
         return INVALID_TYPE
     return INVALID_VALUE
-
-
-def _reject_numbers(raw: dict[str, Any]) -> None:
-    """Raises JobRejected for the options' number fields the engine cannot take, and for an
-    infinity or NaN in any other option (a time limit, a price, a media timeout)."""
-    found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
-    if found:
-        raise JobRejected(_as_options(found))
-
-
-def _unknown_option(loc: tuple[Any, ...]) -> str:
-    """The message for an unknown key, with the closest known name when there is one."""
-    model: Any = JobOptions
-    for part in loc[:-1]:  # a nested option such as media.max_byte
-        model = getattr(model.model_fields.get(str(part)), "annotation", None)
-        if not isinstance(model, type) or not issubclass(model, BaseModel):
-            return "is not a known option"
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f"is not a known option; did you mean '{close[0]}'?" if close else "is not a known option"
 
 
 def _kind(value: Any) -> str:

@@ -20,12 +20,12 @@ from anex_pipeline import engine as engines
 from anex_pipeline.engine import EngineSettings, load_engine, release_engines
 from anex_pipeline.engine.models import local_model_path, resolve_model
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_processes
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -58,7 +58,7 @@ def error_text(error: Any) -> str:
 def test_killed_engine_process_fails_the_shard_fast_and_the_rerun_resumes(tmp_path: Path) -> None:
     rows = [chat_row(f"r{i}", f"List animals, number {i}.", temperature=0, ignore_eos=True) for i in range(ROWS)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    options = parse_options({"max_tokens": 40, "shards": 1, "checkpoint_rows": CHUNK})
+    options = job_options({"max_tokens": 40, "shards": 1, "checkpoint_rows": CHUNK})
     job = prepare_job(src, str(tmp_path / "out.jsonl"), options, tmp_path / "work")
     checkpoint = job.checkpoint_path(0)
     settings = own_settings()

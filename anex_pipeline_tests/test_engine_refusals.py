@@ -11,9 +11,9 @@ import pytest
 
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.options import job_options
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.engine
 def shared_engine(tmp_path: Path, runner: JobRunner) -> VllmLocalEngine:
     """The engine the session's real runner uses for a default chat job."""
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "Hello.")])
-    job = prepare_job(src, str(tmp_path / "out.jsonl"), parse_options({}), tmp_path / "work")
+    job = prepare_job(src, str(tmp_path / "out.jsonl"), job_options({}), tmp_path / "work")
     engine = runner.engine.engine_for(job.manifest())
     assert isinstance(engine, VllmLocalEngine)
     return engine

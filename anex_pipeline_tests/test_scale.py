@@ -15,13 +15,13 @@ import dagster as dg
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_shard_key, register_job, shard_keys, shard_keys_on
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
-from anex_pipeline.validate import parse_options
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngineResource
 from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
@@ -48,10 +48,10 @@ def test_shard_count_follows_the_rows_the_tokens_and_the_options() -> None:
     assert shard_count(400, 1, JobOptions(shards=5000)) == 400  # never more shards than rows
     assert shard_count(400, 1, JobOptions(shard_rows=7)) == 58
     with pytest.raises(JobRejected) as both:
-        parse_options({"shards": 4, "shard_rows": 10})
+        job_options({"shards": 4, "shard_rows": 10})
     assert both.value.render().splitlines()[1] == "  field 'shards': set shards or shard_rows, not both (options)"
     with pytest.raises(JobRejected) as zero:
-        parse_options({"shard_rows": 0})
+        job_options({"shard_rows": 0})
     assert "shard_rows" in zero.value.render()
 
 

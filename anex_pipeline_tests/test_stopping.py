@@ -20,13 +20,13 @@ import pytest
 from anex_pipeline import stopping
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
-from anex_pipeline.validate import parse_options
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.stepping import SteppingEngine, SteppingEngineResource, stepping
@@ -36,7 +36,7 @@ ROWS = 40
 
 def new_job(tmp_path: Path, rows: int = ROWS, **options: Any) -> JobDir:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
-    return prepare_job(src, str(tmp_path / "out.jsonl"), parse_options({"max_tokens": 8, **options}), tmp_path / "w")
+    return prepare_job(src, str(tmp_path / "out.jsonl"), job_options({"max_tokens": 8, **options}), tmp_path / "w")
 
 
 def checkpointed(job: JobDir) -> list[str]:

@@ -50,11 +50,11 @@ def make_inputs(folder: Path, rows: int) -> tuple[Path, Path]:
 
 def prepare(src: Path, work: Path, out: Path) -> dict[str, float]:
     """validate + shard."""
+    from anex_pipeline.options import job_options
     from anex_pipeline.stages.submit import prepare_job
-    from anex_pipeline.validate import parse_options
 
     started = time.perf_counter()
-    job = prepare_job(src, str(out), parse_options({"max_tokens": 16}), work)
+    job = prepare_job(src, str(out), job_options({"max_tokens": 16}), work)
     seconds = time.perf_counter() - started
     (work / "job_id").write_text(job.job_id)
     return {"seconds": seconds}

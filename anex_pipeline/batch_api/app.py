@@ -38,18 +38,18 @@ from anex_pipeline.batch_api.objects import (
 from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
+from anex_pipeline.options import OptionsError, job_options, options_from_json
 from anex_pipeline.retention import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
     ENDPOINT_BY_URL,
     INVALID_JSON,
-    INVALID_TYPE,
     INVALID_VALUE,
     MISSING_PARAMETER,
     JobRejected,
     MediaOptions,
 )
-from anex_pipeline.validate import parse_options, pydantic_code
+from anex_pipeline.validate import pydantic_code
 
 OPTIONS_METADATA_KEY = "anex_options"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
@@ -183,7 +183,7 @@ class BatchApi:
     def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = job_options(body, self.media)
+        options = batch_options(body, self.media)
         batch_id = new_id("batch_")
         if body.requests is not None:
             input_file_id = self._embedded_input(owner, batch_id, body)
@@ -268,7 +268,7 @@ class BatchApi:
         return shown
 
 
-def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
+def batch_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
     """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
     the ``anex_options`` body field over it, the batch's endpoint and ``model``, and the service's
     media policy narrowed by the caller's ``media``; checked here."""
@@ -297,21 +297,9 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if OPTIONS_METADATA_KEY in metadata:
         try:
-            options = json.loads(metadata[OPTIONS_METADATA_KEY])
-        except json.JSONDecodeError as exc:
-            raise ApiError(
-                400,
-                f"metadata.{OPTIONS_METADATA_KEY} is not valid JSON: {exc.msg}.",
-                param=f"metadata.{OPTIONS_METADATA_KEY}",
-                code=INVALID_JSON,
-            ) from None
-        if not isinstance(options, dict):
-            raise ApiError(
-                400,
-                f"metadata.{OPTIONS_METADATA_KEY} must be a JSON object of job options.",
-                param=f"metadata.{OPTIONS_METADATA_KEY}",
-                code=INVALID_TYPE,
-            )
+            options = options_from_json(metadata[OPTIONS_METADATA_KEY], f"metadata.{OPTIONS_METADATA_KEY}")
+        except OptionsError as exc:
+            raise ApiError(400, f"{exc}.", param=f"metadata.{OPTIONS_METADATA_KEY}", code=exc.code) from None
     options.update(body.anex_options or {})
     options["media"] = narrowed_media(options.get("media"), media)
     if body.model is not None:
@@ -324,7 +312,7 @@ def job_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
             param="anex_options.endpoint",
         )
     try:
-        return parse_options(options).model_dump(exclude_defaults=True)
+        return job_options(options).model_dump(exclude_defaults=True)
     except JobRejected as exc:
         raise ApiError(
             400,

@@ -239,10 +239,10 @@ def _finish(report: Any) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from anex_pipeline.options import job_options
     from anex_pipeline.storage import is_s3
-    from anex_pipeline.validate import parse_options
 
-    options = parse_options(collect_options(args))
+    options = job_options(collect_options(args))
     if not is_s3(args.input):
         return _validate(args, options, Path(args.input))
     from anex_pipeline.orchestration.resources import StorageResource  # imports Dagster: only for an S3 input

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from anex_pipeline.errors import RejectedError
@@ -213,21 +212,15 @@ def _version() -> str:
 
 def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     """Options file (explicit, or the input's sidecar) overlaid with the flags that were given."""
+    from anex_pipeline.options import read_options_file, sidecar_of
+
     raw: dict[str, Any] = {}
     path = args.options
-    sidecar = Path(f"{args.input}.job.json")
+    sidecar = sidecar_of(args.input)
     if path is None and sidecar.exists():
         path = str(sidecar)
     if path:
-        try:
-            loaded = json.loads(_read_regular_file(path, "options file"))
-        except json.JSONDecodeError as exc:
-            raise UsageError(
-                f"options file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise UsageError(f"options file {path} must hold a JSON object of option names and values")
-        raw.update(loaded)
+        raw.update(read_options_file(path))
     for _, name, _ in OPTION_FLAGS:
         if getattr(args, name) is not None:
             raw[name] = getattr(args, name)
@@ -247,23 +240,11 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
-def _read_regular_file(path: str, what: str) -> str:
-    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
-    from anex_pipeline.storage import read_regular_file
-
-    try:
-        return read_regular_file(path).decode("utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
-    except ValueError as exc:
-        raise UsageError(f"{what} {exc}; name a JSON file") from None
-
-
 def _json_arg(flag: str, text: str) -> Any:
     if text.startswith("@"):
-        text = _read_regular_file(text[1:], f"{flag} file")
+        from anex_pipeline.options import read_text_file
+
+        text = read_text_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
     except json.JSONDecodeError:

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
 from anex_pipeline.engine import EngineLoadFailed
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.partitions import (
     across_jobs_and_shards,
     job_of_key,
@@ -36,7 +37,6 @@ from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
-from anex_pipeline.validate import parse_options
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline.workdir.timing import record_served, record_timing
@@ -129,7 +129,7 @@ def validated_input(
         s3 = storage.s3_client() if config.input.startswith("s3://") else None
         try:
             local = localize_input(config.input, job.root / layout.INPUT_DIR, s3)
-            options = parse_options(config.options.model_dump())
+            options = job_options(config.options.model_dump())
             job = prepare_job(
                 local,
                 config.output,

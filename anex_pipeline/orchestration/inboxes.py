@@ -20,17 +20,15 @@ from dagster_aws.s3 import S3Resource
 from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
+from anex_pipeline.options import SIDECAR_SUFFIX, OptionsError, options_from_json, read_text_file, sidecar_of
 from anex_pipeline.orchestration.assets import validated_input
 from anex_pipeline.orchestration.jobs import submit_job
 from anex_pipeline.orchestration.partitions import JOBS, job_partitions
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.storage import read_regular_file, unsafe_key
+from anex_pipeline.storage import unsafe_key
 from anex_pipeline.workdir.manifest import make_job_id
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
-
-
-SIDECAR_SUFFIX = ".job.json"
 
 
 @dataclass(frozen=True)
@@ -58,16 +56,6 @@ def results_name(name: str) -> str:
 def is_input_name(name: str) -> bool:
     base = PurePosixPath(name).name
     return not base.startswith(".") and base.lower().endswith(INPUT_SUFFIXES)
-
-
-def options_from_json(text: str, where: str) -> dict[str, Any]:
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc}); write job options as one JSON object") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"{where} holds a JSON {type(options).__name__}; job options must be one JSON object")
-    return options
 
 
 def submit_request(arrival: Arrival, options: dict[str, Any]) -> dg.RunRequest:
@@ -101,7 +89,7 @@ def take_new(
     context: dg.SensorEvaluationContext,
     arrivals: Iterable[Arrival],
     settings: InboxSettings,
-    read_sidecar: Callable[[Arrival], str | None],
+    read_sidecar: Callable[[Arrival], str | bytes | None],
     where: str,
 ) -> dg.SensorResult | dg.SkipReason:
     """Requests a job for each arrival that is not a job yet, oldest first, at most page_limit.
@@ -132,7 +120,7 @@ def take_new(
         try:
             sidecar = read_sidecar(arrival)
             options = {**defaults, **(options_from_json(sidecar, arrival.uri + SIDECAR_SUFFIX) if sidecar else {})}
-        except ValueError as exc:  # also a sidecar that is not UTF-8 or not a regular file
+        except OptionsError as exc:  # not JSON, not an object, not UTF-8, not a regular file
             context.log.error(f"{arrival.uri} is not submitted: {exc}. Fix the sidecar, then upload the input again.")
             continue
         requests.append(submit_request(arrival, options))
@@ -221,11 +209,11 @@ def s3_inbox(
     objects = get_objects(settings.bucket, settings.prefix, client=client)
     keys = {obj["Key"] for obj in objects}
 
-    def read_sidecar(arrival: Arrival) -> str | None:
+    def read_sidecar(arrival: Arrival) -> bytes | None:
         key = arrival.uri.removeprefix(f"s3://{settings.bucket}/") + SIDECAR_SUFFIX
         if key not in keys:
             return None
-        return client.get_object(Bucket=settings.bucket, Key=key)["Body"].read().decode("utf-8")
+        return client.get_object(Bucket=settings.bucket, Key=key)["Body"].read()
 
     where = f"s3://{settings.bucket}/{settings.prefix}"
     return take_new(context, bucket_arrivals(objects, settings), settings, read_sidecar, where)
@@ -300,8 +288,8 @@ def local_inbox(
     inbox.mkdir(parents=True, exist_ok=True)
 
     def read_sidecar(arrival: Arrival) -> str | None:
-        sidecar = Path(arrival.uri + SIDECAR_SUFFIX)
-        return read_regular_file(sidecar).decode("utf-8") if sidecar.exists() else None
+        sidecar = sidecar_of(arrival.uri)
+        return read_text_file(sidecar, "sidecar") if sidecar.exists() else None
 
     return take_new(
         context, folder_arrivals(inbox, outbox, settings.settle_seconds), settings, read_sidecar, str(inbox)

@@ -21,6 +21,7 @@ from anex_pipeline.formats import (
     sniff_format,
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
+from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
 from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
@@ -131,7 +132,7 @@ def check_destinations(input_path: Path, output: str, report: str, options_file:
     """Refuses an output or report that is a file the job reads (the input, its sidecar
     ``<input>.job.json``, the options file) or each other, whatever the path's spelling (``..``,
     symlinks, hard links), and one that exists but is not a regular file (a folder, a FIFO)."""
-    read = [("the input", input_path), ("the input's options sidecar", Path(f"{input_path}.job.json"))]
+    read = [("the input", input_path), ("the input's options sidecar", sidecar_of(input_path))]
     read += [("the options file", Path(options_file))] if options_file is not None else []
     problems = []
     written: list[tuple[str, Path]] = []

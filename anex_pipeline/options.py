@@ -1,0 +1,137 @@
+"""Job options from every source, through one parser and one set of messages.
+
+The options file and the input's sidecar (``<input>.job.json``) of the command line, the inbox
+sensors' defaults and sidecars, and the Batch API's ``metadata.anex_options`` are all JSON objects
+read by :func:`options_from_json`; whatever layers a source has (flags over a file, a sidecar over
+defaults, the request body over metadata) become :class:`~anex_pipeline.spec.JobOptions` through
+:func:`job_options`, which refuses a bad option with a :class:`~anex_pipeline.spec.JobRejected`."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from anex_pipeline.errors import RejectedError
+from anex_pipeline.spec import INVALID_JSON, INVALID_TYPE, INVALID_VALUE, JobOptions, JobRejected, Problem
+from anex_pipeline.storage import read_regular_file
+from anex_pipeline.validate import (
+    NUMBER_FIELDS,
+    FieldProblem,
+    _check_fields,
+    _kind,
+    _non_finite,
+    check_numbers,
+    check_response_format,
+    pydantic_code,
+)
+
+SIDECAR_SUFFIX = ".job.json"  # <input>.job.json: the options that go with an input file
+
+
+class OptionsError(RejectedError):
+    """Job options that cannot be read (not JSON, not an object, not a readable file); ``code`` is
+    OpenAI's error code for the kind of problem, for the Batch API's answer."""
+
+    def __init__(self, message: str, code: str = INVALID_VALUE):
+        super().__init__(message)
+        self.code = code
+
+
+def sidecar_of(input_path: str | Path) -> Path:
+    """The options file that goes with an input: ``<input>.job.json``."""
+    return Path(f"{input_path}{SIDECAR_SUFFIX}")
+
+
+def options_from_json(text: str | bytes, where: str) -> dict[str, Any]:
+    """The JSON object of job options in ``text``, read from ``where`` (named in the messages)."""
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OptionsError(
+            f"{where} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}); "
+            "write job options as one JSON object",
+            INVALID_JSON,
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise OptionsError(f"{where} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    if not isinstance(loaded, dict):
+        raise OptionsError(f"{where} holds {_kind(loaded)}; job options must be one JSON object", INVALID_TYPE)
+    return loaded
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
+    try:
+        return read_regular_file(path).decode("utf-8")
+    except OSError as exc:
+        raise OptionsError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise OptionsError(f"{what} {path} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except ValueError as exc:
+        raise OptionsError(f"{what} {exc}; name a JSON file") from None
+
+
+def read_options_file(path: str | Path, what: str = "options file") -> dict[str, Any]:
+    """The job options in a file (an options file or a sidecar)."""
+    return options_from_json(read_text_file(path, what), f"{what} {path}")
+
+
+def job_options(raw: dict[str, Any]) -> JobOptions:
+    """The job options of a dict of option names and values (every source's layers merged), or
+    raises JobRejected naming each bad option."""
+    _reject_numbers(raw)  # NaN would otherwise meet a bound's check first, with a puzzling message
+    try:
+        options = JobOptions.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "options"
+            msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(Problem(f"{msg} (options)", field=loc, code=pydantic_code(err["type"])))
+        raise JobRejected(problems) from None
+    _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
+    if options.shards is not None and options.shard_rows is not None:
+        raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
+    found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
+    if found:
+        raise JobRejected(_as_options(found))
+    if options.response_format is not None:
+        found = check_response_format(options.response_format, "response_format")
+        if found:
+            raise JobRejected(_as_options(found))
+    if options.reasoning_parser is not None or options.tool_parser is not None:
+        from anex_pipeline.engine.parsing import ParserChoiceError, check_parser_names  # imports vLLM
+
+        try:
+            check_parser_names(options.reasoning_parser, options.tool_parser)
+        except ParserChoiceError as exc:
+            raise JobRejected([Problem(f"{exc} (options)", field="reasoning_parser/tool_parser")]) from None
+    return options
+
+
+def _as_options(found: list[FieldProblem]) -> list[Problem]:
+    """Problems of job options, each named as the option (the rows' own checks say ``body.``)."""
+    return [Problem(f"{p.message} (options)", field=p.field.removeprefix("body."), code=p.code) for p in found]
+
+
+def _reject_numbers(raw: dict[str, Any]) -> None:
+    """Raises JobRejected for the options' number fields the engine cannot take, and for an
+    infinity or NaN in any other option (a time limit, a price, a media timeout)."""
+    found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
+    if found:
+        raise JobRejected(_as_options(found))
+
+
+def _unknown_option(loc: tuple[Any, ...]) -> str:
+    """The message for an unknown key, with the closest known name when there is one."""
+    model: Any = JobOptions
+    for part in loc[:-1]:  # a nested option such as media.max_byte
+        model = getattr(model.model_fields.get(str(part)), "annotation", None)
+        if not isinstance(model, type) or not issubclass(model, BaseModel):
+            return "is not a known option"
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"is not a known option; did you mean '{close[0]}'?" if close else "is not a known option"
