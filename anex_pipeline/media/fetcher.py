@@ -8,6 +8,10 @@ job's cap is refused.
 
 A cache that cannot store (a full disk) does not fail rows: the bytes are kept in memory for the
 rows that need them.
+
+The module is a little over the project's usual ~400 lines because :class:`MediaFetcher` is one
+state machine (claim a URL, check its address, download with retries and a deadline, store, hand
+out) whose steps share the cache, the per-host slots and the statistics.
 """
 
 from __future__ import annotations
