@@ -19,6 +19,7 @@ from typing import IO, Any
 import dagster as dg
 
 from anex_pipeline.engine import release_engines
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.errors import AnexError
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
@@ -28,7 +29,7 @@ from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, step_error_message
 from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
-from anex_pipeline.storage import is_s3
+from anex_pipeline.storage import StorageConfig, is_s3
 from anex_pipeline.workdir.lease import take_lease
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, unfinished_shards
 from anex_pipeline.workdir.timing import record_timing
@@ -51,11 +52,12 @@ class _Interrupted(Exception):
 class JobRunner:
     """Runs jobs on one Dagster instance with one set of resources."""
 
-    def __init__(self, instance: dg.DagsterInstance, storage: StorageResource, engine: EngineResource):
+    def __init__(self, instance: dg.DagsterInstance, storage: StorageConfig, engine: EngineConfig):
+        """``storage`` and ``engine`` are plain settings (a Dagster resource is one too); the runner
+        wraps them in the resources its Dagster runs use, the engine kept loaded between runs."""
         self.instance = _safe_for_threads(instance)
-        self.storage = storage
-        # Built anew, not model_copy'd: Dagster re-creates resources from their constructor values.
-        self.engine = type(engine)(**{**engine.model_dump(), "keep_loaded": True})
+        self.storage = StorageResource.wrapping(storage)
+        self.engine = EngineResource.wrapping(engine, keep_loaded=True)
         self.defs = build_definitions(storage, self.engine)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time

@@ -7,6 +7,7 @@ into place; an S3 object appears whole when its upload completes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -14,9 +15,14 @@ import stat
 import tempfile
 import uuid
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
 
 from anex_pipeline.errors import AnexError
+
+if TYPE_CHECKING:
+    from anex_pipeline.workdir.manifest import JobDir
 
 
 def is_s3(uri: str) -> bool:
@@ -146,3 +152,42 @@ def localize_input(uri: str, dest_dir: Path, s3_client: Any = None) -> Path:
         raise JobRejected([Problem(f"cannot read the input {uri}: {exc}")]) from None
     os.replace(tmp, target)
     return target
+
+
+def default_work_root() -> str:
+    """``$ANEX_WORK_DIR``, else ``work`` under the project's cache folder."""
+    from anex_pipeline.engine.models import cache_root
+
+    return os.environ.get("ANEX_WORK_DIR", str(cache_root() / "work"))
+
+
+class StorageConfig(BaseModel):
+    """The work folder for every job's shards and checkpoints, and S3 access for s3:// paths (the
+    Dagster resource :class:`~anex_pipeline.orchestration.resources.StorageResource` carries the
+    same fields)."""
+
+    work_root: str = Field(default_factory=default_work_root, description="Folder for job work files.")
+    s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint; unset = AWS.")
+    s3_region: str | None = None
+
+    def job(self, job_id: str) -> JobDir:
+        from anex_pipeline.workdir.manifest import JobDir
+
+        return JobDir(Path(self.work_root).expanduser(), job_id)
+
+    def local_input(self, uri: str, downloads: Path) -> Path:
+        """The input as a local file: a path as it is, an s3:// object downloaded into a folder of
+        ``downloads`` named after the URI."""
+        if not is_s3(uri):
+            return Path(uri).expanduser()
+        folder = downloads / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        return localize_input(uri, folder, self.s3_client())
+
+    def s3_client(self, quick: bool = False) -> Any:
+        """A boto3 S3 client; ``quick`` bounds its timeouts and makes one attempt per call, for
+        checks at submit that must answer in seconds."""
+        import boto3
+        from botocore.config import Config
+
+        config = Config(connect_timeout=5, read_timeout=10, retries={"total_max_attempts": 1}) if quick else None
+        return boto3.client("s3", endpoint_url=self.s3_endpoint_url, region_name=self.s3_region, config=config)

@@ -13,7 +13,7 @@ import pytest
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
 # An instance for Dagster's own commands (webserver, `dagster job backfill`) with no daemon: its
@@ -59,7 +59,7 @@ def instance() -> Iterator[dg.DagsterInstance]:
 @pytest.fixture
 def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
     storage = StorageResource(work_root=str(tmp_path / "work"))
-    return JobRunner(instance, storage, FakeEngineResource())
+    return JobRunner(instance, storage, fake_engine())
 
 
 def real_engine_resource(**more: Any) -> EngineResource:

@@ -10,11 +10,10 @@ import time
 from collections.abc import Sequence
 
 from anex_pipeline import cli
-from anex_pipeline.engine.base import Engine, EngineRequest
-from anex_pipeline.orchestration import resources
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine
 
 
 class SlowFakeEngine(FakeEngine):
@@ -23,11 +22,10 @@ class SlowFakeEngine(FakeEngine):
         return super().run(requests)
 
 
-class SlowFakeEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return SlowFakeEngine(manifest.model_name)
+SLOW_FAKE = "slow-fake"  # the engine kind of this fake
+register_engine(SLOW_FAKE, lambda config, manifest: SlowFakeEngine(manifest.model_name))
 
 
 if __name__ == "__main__":
-    resources.EngineResource = SlowFakeEngineResource  # type: ignore[misc]
+    os.environ["ANEX_ENGINE"] = SLOW_FAKE  # the command's engine settings read it
     sys.exit(cli.main())

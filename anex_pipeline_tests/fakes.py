@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
-from anex_pipeline.engine.base import Engine, EngineRequest, rejected
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.request_fields import PROMPT_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest
 
 
 class FakeEngine:
@@ -59,15 +60,18 @@ class FakeEngine:
         return RowOutcome(req.index, req.key, 200, body=body, usage=usage)
 
 
-class FakeEngineResource(EngineResource):
-    """The engine resource with the fake engine behind it (one per process, like the real one)."""
-
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return shared_fake_engine(manifest.model_name)
-
-
 _fake: dict[str, FakeEngine] = {}
 
 
 def shared_fake_engine(model_name: str = "fake-model") -> FakeEngine:
     return _fake.setdefault(model_name, FakeEngine(model_name))
+
+
+def fake_engine(kind: str = "fake", **settings: Any) -> EngineResource:
+    """The engine resource with a stand-in behind it: ``kind`` names a factory given to
+    :func:`~anex_pipeline.engine.register_engine` (``fake``: one fake engine per model and process,
+    like the real one)."""
+    return EngineResource(kind=kind, **settings)
+
+
+register_engine("fake", lambda config, manifest: shared_fake_engine(manifest.model_name))

@@ -8,11 +8,11 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 
-from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest, StopCheck
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 
 class SteppingEngine(FakeEngine):
@@ -45,11 +45,8 @@ class SteppingEngine(FakeEngine):
             self.aborted = [r.key for r in flight]
 
 
-class SteppingEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return stepping[0]
-
-
 stepping = [SteppingEngine(step_s=float(os.environ.get("ANEX_FAKE_STEP_S", "0")))]  # behind the resource
 
-defs = build_definitions(engine=SteppingEngineResource())
+STEPPING = "stepping"  # the engine kind of this fake
+register_engine(STEPPING, lambda config, manifest: stepping[0])
+defs = build_definitions(engine=fake_engine(STEPPING))

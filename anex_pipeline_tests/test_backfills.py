@@ -17,14 +17,15 @@ from pathlib import Path
 
 import dagster as dg
 
-from anex_pipeline.engine.base import Engine, EngineRequest, engine_failure
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest, engine_failure
 from anex_pipeline.orchestration.assets import generations
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest, unfinished_shards
+from anex_pipeline.workdir.manifest import unfinished_shards
 from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 
 class FlakyEngine(FakeEngine):
@@ -36,9 +37,7 @@ class FlakyEngine(FakeEngine):
         return [done.get(r.index) or engine_failure(r, "the engine restarted") for r in requests]
 
 
-class FlakyEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return FlakyEngine(manifest.model_name)
+register_engine("flaky", lambda config, manifest: FlakyEngine(manifest.model_name))
 
 
 def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path) -> None:
@@ -52,7 +51,7 @@ def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path
     with dg.DagsterInstance.from_config(str(home)) as instance:
         # A job whose shard 1 (rows 4-7) has two failed rows and whose shard 2 (rows 8-11) lost its
         # last two rows (a process killed mid-shard).
-        runner = JobRunner(instance, StorageResource(work_root=str(work)), FlakyEngineResource())
+        runner = JobRunner(instance, StorageResource(work_root=str(work)), fake_engine("flaky"))
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"shards": 3})
         runner.run(job)
         runner.close()

@@ -30,7 +30,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fake_cli import SlowFakeEngineResource
+from anex_pipeline_tests.fake_cli import SLOW_FAKE
+from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_media import MediaServer, image, media_row
 
 KEY_A = "sk-test-alice-0123456789"
@@ -111,7 +112,7 @@ def submit(sdk: OpenAI, path: Path, options: dict[str, Any] | None = None) -> Ba
 def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
     """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
     monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
-    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), SlowFakeEngineResource())
+    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(SLOW_FAKE))
 
 
 def rows(n: int, long_one: int | None = None) -> list[dict[str, Any]]:
@@ -216,14 +217,14 @@ def test_restart_keeps_records_and_resumes(tmp_path: Path, monkeypatch: pytest.M
     home.mkdir()
     with (
         dg.instance_for_test(temp_dir=str(home)) as instance,
-        serving(JobRunner(instance, storage, SlowFakeEngineResource())) as url,
+        serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE))) as url,
     ):
         sdk = client(url)
         batch = submit(sdk, src, {"max_tokens": 8, "checkpoint_rows": 2})
         wait_for_rows(sdk, batch.id, 4)
     with dg.instance_for_test(temp_dir=str(home)) as instance:
         # No keys given: the ones stored (hashed) at the first start are still valid.
-        with serving(JobRunner(instance, storage, SlowFakeEngineResource()), keys=None) as url:
+        with serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE)), keys=None) as url:
             sdk = client(url)
             listed = sdk.batches.list().data
             assert [(b.id, b.status) for b in listed] == [(batch.id, "in_progress")]

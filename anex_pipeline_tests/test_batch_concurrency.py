@@ -17,7 +17,8 @@ import pytest
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.fake_cli import SlowFakeEngineResource
+from anex_pipeline_tests.fake_cli import SLOW_FAKE
+from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_batch_api import KEY_A, KEY_B, client, content, rows, serving, submit, wait
 
 
@@ -34,7 +35,7 @@ def test_two_keys_batches_run_together_and_a_cancel_stops_only_its_own(
     storage = StorageResource(work_root=str(tmp_path / "work"))
     with (
         dg.instance_for_test() as instance,
-        serving(JobRunner(instance, storage, SlowFakeEngineResource()), max_running_batches=2) as url,
+        serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE)), max_running_batches=2) as url,
     ):
         alice, bob = client(url, KEY_A), client(url, KEY_B)
         first = submit(alice, src, {"max_tokens": 8, "checkpoint_rows": 2})

@@ -15,7 +15,7 @@ from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,11 +51,11 @@ def test_materializing_partitions_from_dagster_equals_the_cli_result(tmp_path: P
     src = write_jsonl(tmp_path / "in.jsonl", rows)
 
     with dg.DagsterInstance.ephemeral() as instance:
-        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w1")), FakeEngineResource())
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w1")), fake_engine())
         runner.run(runner.submit(str(src), str(tmp_path / "cli.jsonl"), {"shards": 3}))
 
     storage = StorageResource(work_root=str(tmp_path / "w2"))
-    d = build_definitions(storage, FakeEngineResource())
+    d = build_definitions(storage, fake_engine())
     with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions(JOBS, ["ui-job"])
         submit = {

@@ -17,11 +17,11 @@ import dagster as dg
 import pytest
 
 from anex_pipeline import engine as engines
-from anex_pipeline.engine import EngineSettings, load_engine, release_engines
+from anex_pipeline.engine import EngineConfig, EngineSettings, load_engine, release_engines
 from anex_pipeline.engine.models import local_model_path, resolve_model
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_processes
 from anex_pipeline.options import job_options
-from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
@@ -120,7 +120,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
         runner = JobRunner(
             instance,
             StorageResource(work_root=str(tmp_path / "work")),
-            EngineResource(max_model_len=512, max_num_seqs=4),
+            EngineConfig(max_model_len=512, max_num_seqs=4),
         )
         try:
             job = runner.submit(str(src), str(tmp_path / "out.jsonl"), options)

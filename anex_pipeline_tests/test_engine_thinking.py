@@ -17,8 +17,9 @@ import dagster as dg
 import pytest
 from openai.types.chat import ChatCompletion
 
+from anex_pipeline.engine import EngineConfig
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
-from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model
@@ -47,7 +48,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> Iterator[Job
     with dg.DagsterInstance.ephemeral() as inst:
         # keep_loaded given here: Dagster rebuilds a resource from its constructor arguments, so
         # the runner's own model_copy(update=...) of it does not reach the steps.
-        job_runner = JobRunner(inst, storage, EngineResource(max_model_len=512, keep_loaded=True))
+        job_runner = JobRunner(inst, storage, EngineConfig(max_model_len=512))
         yield job_runner
         job_runner.close()
 

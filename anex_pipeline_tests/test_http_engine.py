@@ -24,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from anex_pipeline.cli import main
+from anex_pipeline.engine import EngineConfig
 from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
@@ -36,7 +37,7 @@ from anex_pipeline.engine.openai_http import (
 )
 from anex_pipeline.engine.replicas import ServersDown
 from anex_pipeline.formats import InputRow
-from anex_pipeline.orchestration.resources import EngineResource, StorageResource
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
@@ -346,7 +347,7 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     out = tmp_path / "out.jsonl"
     storage = StorageResource(work_root=str(tmp_path / "work"))
     with dg.DagsterInstance.ephemeral() as instance:
-        runner = JobRunner(instance, storage, EngineResource(base_url=vllm_server))
+        runner = JobRunner(instance, storage, EngineConfig(base_url=vllm_server))
         try:
             report = run_job(runner, src, out)
         finally:

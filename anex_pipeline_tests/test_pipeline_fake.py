@@ -14,12 +14,13 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from anex_pipeline.engine import register_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource, shared_fake_engine
+from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
 
 
 def test_jsonl_chat_job_keeps_order_and_exact_envelopes(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -184,10 +185,10 @@ def test_backfill_command_reruns_only_unfinished_shards(
 
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setattr("anex_pipeline.orchestration.resources.EngineResource", FakeEngineResource)
+    monkeypatch.setenv("ANEX_ENGINE", "fake")  # the command's engine settings read it
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"b{i}", f"q {i}", max_tokens=30) for i in range(30)])
     with dg.DagsterInstance.ephemeral() as instance:
-        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), FakeEngineResource())
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine())
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"shards": 3})
         runner.run(job, shards=[1])
         assert runner.unfinished_shards(job) == [0, 2]
@@ -199,24 +200,25 @@ def test_backfill_command_reruns_only_unfinished_shards(
     assert cli.main(["backfill", "no-such-job"]) == 2
 
 
-class SlowEngineResource(FakeEngineResource):
+def slow_engine(config, manifest):  # type: ignore[no-untyped-def]
     """The fake engine, taking 0.5 s per call, so that a time limit falls in the middle of a job."""
+    engine = shared_fake_engine(manifest.model_name)
 
-    def engine_for(self, manifest):  # type: ignore[no-untyped-def]
-        engine = super().engine_for(manifest)
+    class Slow:
+        model_name = engine.model_name
 
-        class Slow:
-            model_name = engine.model_name
+        def run(self, requests):  # type: ignore[no-untyped-def]
+            time.sleep(0.5)
+            return engine.run(requests)
 
-            def run(self, requests):  # type: ignore[no-untyped-def]
-                time.sleep(0.5)
-                return engine.run(requests)
+    return Slow()
 
-        return Slow()
+
+register_engine("slow", slow_engine)
 
 
 def test_time_limit_stops_early_and_delivers_finished_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), SlowEngineResource())
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine("slow"))
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q {i}", max_tokens=20) for i in range(100)])
     out = tmp_path / "out.jsonl"
     job = runner.submit(str(src), str(out), {"time_limit_s": 4.0, "checkpoint_rows": 5, "shards": 2})
@@ -253,7 +255,7 @@ def test_unwritable_output_fails_clearly_and_loses_nothing(tmp_path: Path, fake_
 def test_report_and_metadata_show_output_length_percentiles(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     rows = [chat_row(f"p{i}", " ".join(["w"] * (i % 10 + 1)), max_tokens=50) for i in range(100)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), FakeEngineResource())
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine())
     report = runner.run(runner.submit(str(src), str(tmp_path / "out.jsonl"), {}))
     lengths = [line["response"]["body"]["usage"]["completion_tokens"] for line in read_jsonl(tmp_path / "out.jsonl")]
     assert report.output_tokens["max"] == max(lengths)

@@ -24,7 +24,7 @@ from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
 
 DEPLOY_DAGSTER_YAML = Path(__file__).resolve().parents[1] / "deploy" / "dagster.yaml"
@@ -77,7 +77,7 @@ def test_a_job_runs_on_the_production_instance_and_lands_in_postgres(
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         assert isinstance(instance.run_storage, PostgresRunStorage)
         assert isinstance(instance.event_log_storage, PostgresEventLogStorage)
-        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), FakeEngineResource())
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine())
         report = run_job(runner, src, out, {"shards": 2})
         job_id = report.job_id
 

@@ -13,13 +13,13 @@ import dagster as dg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.engine.base import Engine, EngineRequest
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 
 class DyingEngine(FakeEngine):
@@ -38,9 +38,7 @@ class DyingEngine(FakeEngine):
 ENGINE: dict[str, DyingEngine] = {}
 
 
-class DyingEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return ENGINE["current"]
+register_engine("dying", lambda config, manifest: ENGINE["current"])
 
 
 def run_until_complete(runner: JobRunner, src: Path, out: Path, options: dict) -> list[list[dict]]:
@@ -76,13 +74,13 @@ def test_rows_exactly_once_in_order_through_engine_deaths(
 
     ENGINE["current"] = DyingEngine([])
     with dg.DagsterInstance.ephemeral() as instance:
-        clean = JobRunner(instance, StorageResource(work_root=str(tmp / "clean")), DyingEngineResource())
+        clean = JobRunner(instance, StorageResource(work_root=str(tmp / "clean")), fake_engine("dying"))
         (reference,) = run_until_complete(clean, src, tmp / "clean.jsonl", options)
 
     engine = DyingEngine(faults)
     ENGINE["current"] = engine
     with dg.DagsterInstance.ephemeral() as instance:
-        runner = JobRunner(instance, StorageResource(work_root=str(tmp / "work")), DyingEngineResource())
+        runner = JobRunner(instance, StorageResource(work_root=str(tmp / "work")), fake_engine("dying"))
         runs = run_until_complete(runner, src, tmp / "out.jsonl", options)
 
     for result in runs:

@@ -18,7 +18,6 @@ import pytest
 
 from anex_pipeline import cli
 from anex_pipeline.batch_api.store import Store
-from anex_pipeline.orchestration import resources
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS
 from anex_pipeline.orchestration.retention import RetentionSettings
@@ -27,7 +26,7 @@ from anex_pipeline.retention import parse_age, prune
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_batch_api import KEY_B, client, serving, slow_runner, submit, wait
 
 ASSETS = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
@@ -40,7 +39,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A Dagster home on disk and a work folder, as the installed command uses them, on the fake engine."""
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    monkeypatch.setattr(resources, "EngineResource", FakeEngineResource)
+    monkeypatch.setenv("ANEX_ENGINE", "fake")  # the command's engine settings read it
     yield tmp_path / "home"
 
 
@@ -280,7 +279,7 @@ def test_the_prune_schedule_runs_prune_with_its_age_setting(tmp_path: Path, fake
     new = run_job(fake_runner, write_jsonl(tmp_path / "new.jsonl", [chat_row("b", "hi")]), tmp_path / "n.jsonl")
     work = Path(fake_runner.storage.work_root)
     make_old(work / old.job_id, 3 * DAY)
-    defs = build_definitions(fake_runner.storage, FakeEngineResource(), retention=RetentionSettings(max_age="2d"))
+    defs = build_definitions(fake_runner.storage, fake_engine(), retention=RetentionSettings(max_age="2d"))
     schedule = defs.resolve_schedule_def("prune_old_jobs")
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
     with dg.build_schedule_context(instance=fake_runner.instance) as context:

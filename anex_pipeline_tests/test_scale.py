@@ -23,7 +23,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
 from anex_pipeline_tests.test_sensors import Deployment
 from anex_pipeline_tests.test_webserver import ADD_PARTITION, LOCATION_QUERY, serving, step_errors, wait_for_run
@@ -104,7 +104,7 @@ def test_a_job_whose_shards_have_no_keys_is_run_by_the_cli_and_by_the_driver(tmp
     storage_root = tmp_path / "work"
     with dg.instance_for_test() as instance:
         storage = StorageResource(work_root=str(storage_root))
-        deployment = Deployment(build_definitions(storage, FakeEngineResource()), instance)
+        deployment = Deployment(build_definitions(storage, fake_engine()), instance)
         config = {"input": str(src), "output": str(tmp_path / "ui.jsonl"), "options": {"shards": 3}}
         deployment.submit("ui-old", config)
         for key in shard_keys("ui-old", 3):  # as if prepared before the upgrade
@@ -117,7 +117,7 @@ def test_a_job_whose_shards_have_no_keys_is_run_by_the_cli_and_by_the_driver(tmp
         assert shard_keys_on(instance, "ui-old") == shard_keys("ui-old", 3)
         assert [r["custom_id"] for r in read_jsonl(tmp_path / "ui.jsonl")] == [f"m{i}" for i in range(9)]
 
-        runner = JobRunner(instance, storage, FakeEngineResource())
+        runner = JobRunner(instance, storage, fake_engine())
         job = runner.submit(str(src), str(tmp_path / "cli.jsonl"), {"shards": 2})
         for key in shard_keys(job.job_id, 2):
             instance.delete_dynamic_partition(SHARDS, key)
@@ -145,7 +145,7 @@ def test_three_thousand_shards_get_their_keys_and_the_driver_asks_for_each_once(
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q{i}") for i in range(3000)])
     with dg.instance_for_test() as instance:
         storage = StorageResource(work_root=str(tmp_path / "work"))
-        deployment = Deployment(build_definitions(storage, FakeEngineResource()), instance)
+        deployment = Deployment(build_definitions(storage, fake_engine()), instance)
         config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"shard_rows": 1}}
         deployment.submit("wide", config)
         assert shard_keys_on(instance, "wide") == shard_keys("wide", 3000)

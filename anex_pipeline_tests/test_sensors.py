@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
 
-from anex_pipeline.engine.base import Engine, EngineRequest
+from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
@@ -30,9 +31,8 @@ from anex_pipeline.orchestration.retries import RetrySettings
 from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, FakeEngineResource
+from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "batches"
@@ -163,7 +163,7 @@ def bucket(tmp_path: Path, s3_endpoint: str, instance: dg.DagsterInstance) -> Ca
         client = storage.s3_client()
         client.create_bucket(Bucket=BUCKET)
         inbox = S3InboxSettings(**{"bucket": BUCKET, "prefix": "in/", "output_prefix": "out/", **settings})
-        return Deployment(build_definitions(storage, FakeEngineResource(), s3_inbox=inbox), instance), client
+        return Deployment(build_definitions(storage, fake_engine(), s3_inbox=inbox), instance), client
 
     return make
 
@@ -312,7 +312,7 @@ def test_keys_that_would_share_a_result_key_are_refused_once_in_the_tick_log(
 
 def local_deployment(tmp_path: Path, instance: dg.DagsterInstance, **settings: Any) -> Deployment:
     inbox = LocalInboxSettings(**{"settle_seconds": 0.0, **settings})
-    return Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource(), local_inbox=inbox), instance)
+    return Deployment(build_definitions(storage_for(tmp_path), fake_engine(), local_inbox=inbox), instance)
 
 
 def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.DagsterInstance) -> None:
@@ -369,7 +369,7 @@ def test_local_inbox_takes_each_file_once_and_a_changed_file_again(
 
 
 def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+    deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine()), instance)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"u{i}", f"question {i}", max_tokens=9) for i in range(12)])
     out = tmp_path / "out.jsonl"
     deployment.submit("ui-job", {"input": str(src), "output": str(out), "options": {"shards": 3}})
@@ -401,7 +401,7 @@ def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.Dag
 def test_retry_schedule_reruns_only_shards_with_failed_rows_up_to_its_limit(
     tmp_path: Path, instance: dg.DagsterInstance
 ) -> None:
-    defs = build_definitions(storage_for(tmp_path), FakeEngineResource(), retry=RetrySettings(max_attempts=2))
+    defs = build_definitions(storage_for(tmp_path), fake_engine(), retry=RetrySettings(max_attempts=2))
     deployment = Deployment(defs, instance)
     rows = [chat_row(f"r{i}", f"question {i}", max_tokens=9) for i in range(8)]
     rows[6] = chat_row("r6", "word " * 500, max_tokens=9)  # longer than the fake engine's context: a failed row
@@ -453,9 +453,7 @@ class BrokenEngine(FakeEngine):
 BROKEN = {"now": True}
 
 
-class BrokenEngineResource(FakeEngineResource):
-    def engine_for(self, manifest: JobManifest) -> Engine:
-        return BrokenEngine(manifest.model_name)
+register_engine("broken", lambda config, manifest: BrokenEngine(manifest.model_name))
 
 
 def test_a_shard_that_fails_for_good_does_not_stall_its_job(
@@ -463,7 +461,7 @@ def test_a_shard_that_fails_for_good_does_not_stall_its_job(
 ) -> None:
     monkeypatch.setitem(BROKEN, "now", True)
     storage = storage_for(tmp_path)
-    deployment = Deployment(build_definitions(storage, BrokenEngineResource()), instance)
+    deployment = Deployment(build_definitions(storage, fake_engine("broken")), instance)
     rows = [chat_row(f"r{i}", f"question {i}", max_tokens=9) for i in range(6)]
     rows[5] = chat_row("boom5", "question 5", max_tokens=9)
     out = tmp_path / "out.jsonl"
@@ -506,7 +504,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
     env = {**os.environ, "ANEX_WORK_DIR": str(work), "DAGSTER_HOME": str(home), "ANEX_FAKE_ROW_DELAY_S": "10"}
     command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(out), "--shards", "2"]
     with dg.instance_for_test(temp_dir=str(home)) as instance:
-        deployment = Deployment(build_definitions(storage_for(tmp_path), FakeEngineResource()), instance)
+        deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine()), instance)
         cli = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             shard_run = wait_for_run(instance, cli, "shard_job")  # the CLI is generating shard 0, slowly

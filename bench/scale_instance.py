@@ -53,7 +53,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
 from anex_pipeline.workdir.manifest import JobManifest, ShardRange
 from anex_pipeline_tests.conftest import chat_row
-from anex_pipeline_tests.fakes import FakeEngineResource
+from anex_pipeline_tests.fakes import fake_engine
 
 ROWS_PER_SHARD = 10
 STAGES = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
@@ -186,7 +186,7 @@ def run_one_job(instance: dg.DagsterInstance, work: Path, shards: int) -> float:
     merge are spread over the shards)."""
     src = work.parent / "one-job.jsonl"
     src.write_text("".join(json.dumps(chat_row(f"r{n}", f"question {n}")) + "\n" for n in range(10 * shards)))
-    runner = JobRunner(instance, StorageResource(work_root=str(work)), FakeEngineResource())
+    runner = JobRunner(instance, StorageResource(work_root=str(work)), fake_engine())
     out = str(work.parent / "out.jsonl")
     try:
         seconds, report = timed(lambda: runner.run(runner.submit(str(src), out, {"shards": shards})))
@@ -199,7 +199,7 @@ def run_one_job(instance: dg.DagsterInstance, work: Path, shards: int) -> float:
 def measure(instance: dg.DagsterInstance, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     figures["seed_s"], _ = timed(lambda: populate(instance, work, args.jobs, args.shards, args.pending, args.prune))
-    defs = build_definitions(StorageResource(work_root=str(work)), FakeEngineResource())
+    defs = build_definitions(StorageResource(work_root=str(work)), fake_engine())
     figures["tick_cold_s"], requests = timed(lambda: tick(defs, instance))
     figures["tick_warm_s"], _ = timed(lambda: tick(defs, instance))
     figures["tick_requests"] = requests

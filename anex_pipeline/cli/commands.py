@@ -95,11 +95,12 @@ def _progress_logging(quiet: bool) -> None:
 
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
-    from anex_pipeline.orchestration.resources import EngineResource, StorageResource, default_work_root
+    from anex_pipeline.engine.config import EngineConfig
     from anex_pipeline.runner import JobRunner
+    from anex_pipeline.storage import StorageConfig, default_work_root
 
     _progress_logging(args.quiet)
-    storage = StorageResource(work_root=args.work_dir or default_work_root())
+    storage = StorageConfig(work_root=args.work_dir or default_work_root())
     if args.verbose or not args.own_terminal:
         # stdout carries the report alone: vLLM logs to stdout unless told otherwise.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -108,7 +109,7 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / "logs" / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    engine = EngineResource(
+    engine = EngineConfig(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         memory_share=args.memory_share,
@@ -245,10 +246,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     options = job_options(collect_options(args))
     if not is_s3(args.input):
         return _validate(args, options, Path(args.input))
-    from anex_pipeline.orchestration.resources import StorageResource  # imports Dagster: only for an S3 input
+    from anex_pipeline.storage import StorageConfig
 
     with tempfile.TemporaryDirectory(prefix="anex-validate-") as downloads:
-        return _validate(args, options, StorageResource().local_input(args.input, Path(downloads)))
+        return _validate(args, options, StorageConfig().local_input(args.input, Path(downloads)))
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
@@ -315,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _work_root(args: argparse.Namespace) -> Path:
-    from anex_pipeline.orchestration.resources import default_work_root
+    from anex_pipeline.storage import default_work_root
 
     return Path(args.work_dir or default_work_root()).expanduser()
 

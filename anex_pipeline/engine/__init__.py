@@ -1,24 +1,38 @@
-"""Model runtimes behind one interface, loaded once per process and shared by every shard."""
+"""Model runtimes behind one interface, loaded once per process and shared by every shard.
+
+:func:`engine_for` gives a job its engine from an :class:`EngineConfig`. Engines are looked up by
+the config's ``kind`` in a registry: ``vllm`` (in this process) and ``http`` (an OpenAI-compatible
+server) are built in, and :func:`register_engine` adds others. That registry is the one seam for
+swapping the engine: tests register their stand-ins under a name and run jobs with
+``EngineConfig(kind=name)`` (or ``ANEX_ENGINE=name`` in a process they start).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.orphans import guard_descendants
+from anex_pipeline.engine.replicas import server_urls
 from anex_pipeline.engine.vllm_local import EngineSettings
 from anex_pipeline.errors import AnexError
+from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
     "Engine",
+    "EngineConfig",
     "EngineLoadFailed",
     "EngineRequest",
     "EngineSettings",
     "HttpSettings",
+    "engine_for",
     "load_engine",
+    "register_engine",
     "release_engines",
     "resolve_request",
 ]
@@ -29,6 +43,9 @@ _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}
 FAILED_LOAD_KEPT_S = 60.0  # how long a failed load's reason answers for the same settings
 _failed: dict[EngineSettings, tuple[float, str]] = {}  # settings -> when and why their latest load failed
+
+
+EngineFactory = Callable[[EngineConfig, JobManifest], Engine]
 
 
 class EngineLoadFailed(AnexError):
@@ -96,3 +113,68 @@ def _shutdown(engine: Engine) -> None:
             stop()
         except Exception as exc:  # a dead engine may fail to stop cleanly; it is dropped all the same
             progress.info("shutting down %s failed: %s", engine.model_name, exc)
+
+
+def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings:
+    """The in-process engine's settings for a job: the config's sizing, the job's model and the
+    reasoning and tool parsers of its family (or the ones the job names)."""
+    from anex_pipeline.engine.models import local_model_path
+    from anex_pipeline.engine.parsing import ParserNames, choose_parsers
+
+    model = str(local_model_path(manifest.model))
+    embeddings = manifest.endpoint == "embeddings"
+    parsers = ParserNames() if embeddings else choose_parsers(model, manifest.model_name, manifest.job_options())
+    return EngineSettings(
+        model=model,
+        model_name=manifest.model_name,
+        runner="pooling" if embeddings else "generate",
+        dtype=config.dtype,
+        # Embedding models have short fixed contexts (256 for MiniLM): use the model's own.
+        max_model_len=None if embeddings else config.max_model_len,
+        memory_share=config.memory_share,
+        kv_cache_gib=config.kv_cache_gib,
+        max_num_seqs=config.max_num_seqs,
+        reasoning_parser=parsers.reasoning,
+        tool_parser=parsers.tool,
+    )
+
+
+def _vllm_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
+    return load_engine(vllm_settings(config, manifest))
+
+
+def _http_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
+    if not config.base_url:
+        raise EngineLoadFailed("the http engine needs base_url: the address of an OpenAI-compatible server")
+    try:
+        servers = server_urls(config.base_url)
+    except ValueError as exc:
+        raise ValueError(f"the engine's base_url: {exc}") from None
+    settings = HttpSettings(
+        base_url=servers,
+        model_name=manifest.model_name,
+        model_named="model" in manifest.options,
+        api_key=config.api_key,
+        max_concurrency=config.max_concurrency,
+        timeout_s=config.timeout_s,
+    )
+    return load_engine(settings)
+
+
+_factories: dict[str, EngineFactory] = {"vllm": _vllm_engine, "http": _http_engine}
+
+
+def register_engine(kind: str, factory: EngineFactory) -> None:
+    """Makes ``EngineConfig(kind=kind)`` run jobs on the engines ``factory(config, manifest)``
+    returns (a factory that shares one engine per process should cache it)."""
+    _factories[kind] = factory
+
+
+def engine_for(config: EngineConfig, manifest: JobManifest) -> Engine:
+    """The engine a job runs on under these settings."""
+    kind = config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
+    factory = _factories.get(kind)
+    if factory is None:
+        known = ", ".join(sorted(["auto", *_factories]))
+        raise EngineLoadFailed(f"no engine named {kind!r}: use one of {known}")
+    return factory(config, manifest)

@@ -1,0 +1,44 @@
+"""How jobs reach a model, as plain settings: which engine, and how it is sized or reached.
+
+The Dagster resource (:class:`~anex_pipeline.orchestration.resources.EngineResource`) carries
+these same fields; the command line, the Batch API and the tests build an :class:`EngineConfig`
+and get engines from it through :func:`anex_pipeline.engine.engine_for`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, Field
+
+
+class EngineConfig(BaseModel):
+    """The in-process vLLM engine (the model comes from each job, loaded once per process), or,
+    with ``base_url`` set, an OpenAI-compatible server such as ``vllm serve``."""
+
+    kind: str = Field(
+        default_factory=lambda: os.environ.get("ANEX_ENGINE", "auto"),
+        description="Which engine: 'auto' (vLLM here, or the server at base_url), 'vllm', 'http', "
+        "or a name given to anex_pipeline.engine.register_engine.",
+    )
+    dtype: str = Field(default="auto", description="Weights dtype; on a CPU 'auto' means float32.")
+    max_model_len: int = Field(default=4096, description="Context length the engine reserves for.")
+    memory_share: float | None = Field(
+        default=None, description="gpu_memory_utilization (on a CPU: share of RAM); unset = 0.9 GPU, 0.3 CPU."
+    )
+    kv_cache_gib: int = Field(default=1, description="CPU build only: KV cache size in GiB.")
+    max_num_seqs: int | None = Field(default=None, description="Rows the engine schedules at once.")
+    base_url: str | None = Field(
+        default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
+        description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "
+        "list of replicas of one model; unset = vLLM in this process.",
+    )
+    api_key: str | None = Field(
+        default=None, description="Bearer token for base_url (give it as an EnvVar to keep it out of run config)."
+    )
+    max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per server.")
+    timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
+
+    def plain(self) -> EngineConfig:
+        """These settings as a plain EngineConfig (from a subclass such as the Dagster resource)."""
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
