@@ -48,8 +48,10 @@ setup_venv() {
     for old in "$root"/*/; do
         old="${old%/}"
         [[ "$old" == "$venv" ]] && continue
-        if [[ -z "$(find "$old/.last_used" -mmin -1440 2>/dev/null)" ]]; then
-            rm -rf "$old"  # unused for a day (or never finished)
+        # Set up against within a day (.last_used), or built within a day by an older script
+        # (.complete): kept. A crashed build has neither.
+        if [[ -z "$(find "$old/.last_used" "$old/.complete" -mmin -1440 2>/dev/null)" ]]; then
+            rm -rf "$old"
         fi
     done
     exec 9>&-
