@@ -1,5 +1,5 @@
 """JSONL in the OpenAI batch format: request lines in, batch output envelopes out; shards are
-JSON lines ``{"i", "key", "body"}``. (Right at the project's ~400-line mark: reading and checking
+JSON lines ``{"i", "key", "body"}``. (A little over the project's ~400 lines: reading and checking
 request lines, the shards and writing the envelopes are the whole of one format.)"""
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Parquet jobs: a prompt column in, the input's columns plus output columns out; shards are Arrow
-IPC files of the prompt values."""
+IPC files of the prompt values. (Over the project's ~400 lines: choosing and checking the prompt,
+image and id columns, staging the shards and writing the result beside the input's own columns,
+with its per-row metadata columns, are the whole of one format and share its column rules.)"""
 
 from __future__ import annotations
 
