@@ -16,7 +16,7 @@ the end tag, so the model reads the notice and answers after it (its first answe
 Chat answers are decoded with special tokens kept and split into answer, reasoning and tool calls
 by :mod:`anex_pipeline.engine.parsing`.
 
-At about 600 lines this module is over the project's usual size on purpose: it is one idea, the
+At about 650 lines this module is over the project's usual size on purpose: it is one idea, the
 streaming loop around ``LLMEngine.add_request``/``step`` with the per-row state it keeps (a row's
 prompt, sampling parameters, constrained decoding, the thinking-budget continuation), and those
 pieces share the engine's tokenizer and in-flight table; split apart they would pass that state
