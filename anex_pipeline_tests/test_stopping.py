@@ -187,7 +187,7 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
             register = JobRunner._register
 
             def cancel_first(self: JobRunner, job: JobDir) -> None:  # the cancel comes as run() begins
-                if threading.current_thread().name == "batch-run" and not job.stop_path.exists():
+                if threading.current_thread().name.startswith("batch-run") and not job.stop_path.exists():
                     sdk.batches.cancel(batch.id)
                 register(self, job)
 
