@@ -195,11 +195,11 @@ class VllmLocalEngine:
     def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
         """The tokens of the row's rendered prompt, kept on the request (4 bytes a token) until it
         is sent; None when the row cannot be rendered (sending it refuses it with the reason)."""
-        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
-            return None  # vLLM's renderer makes its tokens when it is sent
         try:
+            if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
+                return None  # vLLM's renderer makes its tokens when it is sent
             req.prompt_ids = array("i", self._prompt_ids(req))
-        except Exception:
+        except Exception:  # a part the model cannot read, a template refusal: refused when sent
             return None
         return req.prompt_ids
 
