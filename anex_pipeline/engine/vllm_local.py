@@ -195,11 +195,11 @@ class VllmLocalEngine:
     def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
         """The tokens of the row's rendered prompt, kept on the request (4 bytes a token) until it
         is sent; None when the row cannot be rendered (sending it refuses it with the reason)."""
+        if self.multimodal and req.endpoint == "chat" and any(_media_parts(req.body["messages"])):
+            return None  # vLLM's renderer makes its tokens (and the parts are checked) when it is sent
         try:
-            if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
-                return None  # vLLM's renderer makes its tokens when it is sent
             req.prompt_ids = array("i", self._prompt_ids(req))
-        except Exception:  # a part the model cannot read, a template refusal: refused when sent
+        except Exception:
             return None
         return req.prompt_ids
 
@@ -248,24 +248,19 @@ class VllmLocalEngine:
         the model cannot read or a sound it cannot decode, as vLLM's own refusal would not name
         the part (nor, for a sound, the reason)."""
         found = False
-        for n, message in enumerate(messages):
-            content = message.get("content")
-            for p, part in enumerate(content if isinstance(content, list) else []):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in MEDIA_PART_TYPES:
-                    continue
-                modality, word = MEDIA_PART_TYPES[kind]
-                if modality not in self.modalities:
-                    reads = " and ".join(MEDIA_WORDS[m] for m in sorted(self.modalities))
-                    raise RequestProblem(
-                        f"model '{self.model_name}' reads {reads} but cannot read {word}; "
-                        f"remove the part or run the job on a model that reads {word}",
-                        f"messages[{n}].content[{p}]",
-                    )
-                problem = audio_problem(kind, part.get(kind), self.audio_rate) if modality == "audio" else None
-                if problem is not None:
-                    raise RequestProblem(problem, f"messages[{n}].content[{p}]")
-                found = True
+        for n, p, kind, part in _media_parts(messages):
+            modality, word = MEDIA_PART_TYPES[kind]
+            if modality not in self.modalities:
+                reads = " and ".join(MEDIA_WORDS[m] for m in sorted(self.modalities))
+                raise RequestProblem(
+                    f"model '{self.model_name}' reads {reads} but cannot read {word}; "
+                    f"remove the part or run the job on a model that reads {word}",
+                    f"messages[{n}].content[{p}]",
+                )
+            problem = audio_problem(kind, part.get(kind), self.audio_rate) if modality == "audio" else None
+            if problem is not None:
+                raise RequestProblem(problem, f"messages[{n}].content[{p}]")
+            found = True
         return found
 
     def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -656,6 +651,16 @@ def _fixed_audio_rate(llm: Any) -> int | None:
 
 def _embedding_text(value: Any) -> str:
     return value[0] if isinstance(value, list) else value
+
+
+def _media_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str, dict[str, Any]]]:
+    """Each media part of a chat row: message number, part number, part type and the part."""
+    for n, message in enumerate(messages):
+        content = message.get("content")
+        for p, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PART_TYPES:
+                yield n, p, kind, part
 
 
 def _prefix_cache(llm: Any) -> PrefixCache | None:
