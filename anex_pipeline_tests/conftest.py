@@ -52,7 +52,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def instance() -> Iterator[dg.DagsterInstance]:
-    with dg.DagsterInstance.ephemeral() as inst:
+    with dg.instance_for_test(set_dagster_home=False) as inst:
         yield inst
 
 
@@ -71,7 +71,7 @@ def real_engine_resource(**more: Any) -> EngineResource:
 def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]:
     """One runner on the real engine for the whole session: engine modules share its loaded model."""
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("real-work")))
-    with dg.DagsterInstance.ephemeral() as inst:
+    with dg.instance_for_test(set_dagster_home=False) as inst:
         runner = JobRunner(inst, storage, real_engine_resource())
         yield runner
         runner.close()

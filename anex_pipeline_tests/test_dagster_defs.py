@@ -50,13 +50,13 @@ def test_materializing_partitions_from_dagster_equals_the_cli_result(tmp_path: P
     rows = [chat_row(f"d{i}", f"question {i}", max_tokens=12) for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
 
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w1")), fake_engine())
         runner.run(runner.submit(str(src), str(tmp_path / "cli.jsonl"), {"shards": 3}))
 
     storage = StorageResource(work_root=str(tmp_path / "w2"))
     d = build_definitions(storage, fake_engine())
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         instance.add_dynamic_partitions(JOBS, ["ui-job"])
         submit = {
             "ops": {

@@ -116,7 +116,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     options = {"max_tokens": 40, "shards": 1, "checkpoint_rows": CHUNK}
     killed: list[tuple[object, int]] = []
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         runner = JobRunner(
             instance,
             StorageResource(work_root=str(tmp_path / "work")),

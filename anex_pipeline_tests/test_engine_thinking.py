@@ -45,7 +45,7 @@ def tokenizer(tiny: Path) -> Any:
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> Iterator[JobRunner]:
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("thinking-work")))
-    with dg.DagsterInstance.ephemeral() as inst:
+    with dg.instance_for_test(set_dagster_home=False) as inst:
         # keep_loaded given here: Dagster rebuilds a resource from its constructor arguments, so
         # the runner's own model_copy(update=...) of it does not reach the steps.
         job_runner = JobRunner(inst, storage, EngineConfig(max_model_len=512))

@@ -191,7 +191,7 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "ui.jsonl"
     d = build_definitions(StorageResource(work_root=str(tmp_path / "work")), real_engine_resource(keep_loaded=True))
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         instance.add_dynamic_partitions(JOBS, ["vision"])
         config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, media_server)}
         submit = {"ops": {"validated_input": {"config": config}}}

@@ -346,7 +346,7 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     storage = StorageResource(work_root=str(tmp_path / "work"))
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         runner = JobRunner(instance, storage, EngineConfig(base_url=vllm_server))
         try:
             report = run_job(runner, src, out)

@@ -73,13 +73,13 @@ def test_rows_exactly_once_in_order_through_engine_deaths(
     keys = [r["custom_id"] for r in rows]
 
     ENGINE["current"] = DyingEngine([])
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         clean = JobRunner(instance, StorageResource(work_root=str(tmp / "clean")), fake_engine("dying"))
         (reference,) = run_until_complete(clean, src, tmp / "clean.jsonl", options)
 
     engine = DyingEngine(faults)
     ENGINE["current"] = engine
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp / "work")), fake_engine("dying"))
         runs = run_until_complete(runner, src, tmp / "out.jsonl", options)
 

@@ -172,7 +172,7 @@ def test_two_replicas_share_a_job_and_killing_one_mid_job_loses_no_row(tmp_path:
     storage = StorageResource(work_root=str(tmp_path / "work"))
     engine = EngineResource(base_url=f"{kept.url},{killed.url}", max_concurrency=4)
     report_box: list[object] = []
-    with dg.DagsterInstance.ephemeral() as instance:
+    with dg.instance_for_test(set_dagster_home=False) as instance:
         runner = JobRunner(instance, storage, engine)
         job = threading.Thread(target=lambda: report_box.append(run_job(runner, src, out)))
         try:

@@ -4,8 +4,7 @@ Records (files, batches, the hashed API keys, idempotency keys and the indexes t
 JSON values in the Dagster instance's own key-value store (``run_storage.set_cursor_values``),
 which works on SQLite and PostgreSQL alike. File contents live on disk under the storage
 resource's work root, in ``batch-api/files/``. One service process per instance: every access to
-the store goes through one lock of this process, which also keeps an in-memory SQLite instance
-(tests) from refusing a read while another thread writes ("table is locked").
+the store goes through one lock of this process, so that a read-modify-write of a record is whole.
 """
 
 from __future__ import annotations
