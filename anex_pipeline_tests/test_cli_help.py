@@ -38,3 +38,31 @@ def test_run_help_is_printed_by_the_installed_command() -> None:
         [sys.executable, "-m", "anex_pipeline.cli", "run", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--max-tokens" in out and "default: estimated from a generated sample" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["run", "in.jsonl", "-o", "out.jsonl", "--temprature", "0"],
+            "anex-pipeline run: error: unrecognized arguments: --temprature 0 (did you mean --temperature?); "
+            "`anex-pipeline run --help` lists what it takes",
+        ),
+        (
+            ["run", "in.jsonl", "-o", "out.jsonl", "--shards", "abc"],
+            "anex-pipeline run: error: argument --shards: invalid int value: 'abc'; "
+            "`anex-pipeline run --help` lists what it takes",
+        ),
+        (["list", "--all"], "anex-pipeline list: error: unrecognized arguments: --all; "),
+        (["frobnicate"], "anex-pipeline: error: argument command: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line_naming_the_command(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith(expected)

@@ -4,8 +4,9 @@ input's sidecar."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 from anex_pipeline.errors import RejectedError
 
@@ -76,6 +77,33 @@ class UsageError(RejectedError):
     """A mistake in the command line or the options file."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports a mistake on the command line in one line that names the command's help, instead
+    of argparse's usage block, which hides the mistake under every option the command has."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists what it takes\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but an unknown flag is reported by the command it was given to, with the
+        nearest flag that command has (a typo such as --temprature)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = self._commands().get(getattr(parsed, "command", None) or "", self)
+            flags = [f for action in command._actions for f in action.option_strings if f.startswith("--")]
+            unknown = next((e.split("=", 1)[0] for e in extra if e.startswith("--")), "")
+            near = difflib.get_close_matches(unknown, flags, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return parsed
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+
 def _add_option_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job options (override the options file)")
     g.add_argument("--options", metavar="FILE", help="JSON file of job options; default: <input>.job.json if present")
@@ -116,9 +144,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="anex-pipeline", description="Offline batch LLM jobs on vLLM and Dagster.")
+    parser = _OneLineParser(prog="anex-pipeline", description="Offline batch LLM jobs on vLLM and Dagster.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
 
     run = sub.add_parser("run", help="run a job end to end and print its report")
     run.add_argument("input", help="JSONL (OpenAI batch format) or Parquet file")
