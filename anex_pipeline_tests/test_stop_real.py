@@ -193,6 +193,7 @@ def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path
     took = served.terminate(timeout=15)
     stderr = served.err.rest()
     assert took < 15, f"serve took {took:.1f} s to end"
+    assert served.process.returncode == 0 and "serve: ended on SIGTERM" in stderr, stderr
     assert "Traceback" not in own_lines(stderr), stderr
 
 
@@ -228,4 +229,5 @@ def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path
     took = served.terminate(timeout=15)
     stderr = served.err.rest()
     assert took < 15, f"serve took {took:.1f} s to end"
+    assert served.process.returncode == 0 and "serve: ended on SIGTERM" in stderr, stderr
     assert "Traceback" not in own_lines(stderr), stderr

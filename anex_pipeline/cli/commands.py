@@ -9,10 +9,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -308,11 +309,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(runner, keys, media=media, max_running_batches=args.max_running_batches)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
-    try:
-        uvicorn.run(app, host=args.host, port=args.port)
-    finally:
-        runner.close()
+    with _ending_on_signals():
+        try:
+            uvicorn.run(app, host=args.host, port=args.port)
+        finally:
+            runner.close()
     return ExitCode.OK
+
+
+class _Signalled(Exception):
+    """The signal uvicorn passes on once it has wound the server down."""
+
+
+@contextlib.contextmanager
+def _ending_on_signals() -> Iterator[None]:
+    """Lets ``serve`` end cleanly on SIGINT or SIGTERM. uvicorn takes both while it serves, winds
+    down, then raises the signal again under the handlers it found: with these, that ends the
+    command through its ``finally`` (the engine shut down, exit status 0) rather than killing it
+    (status -15) or printing a job's "stopped" line."""
+
+    def raise_signalled(signum: int, _: object) -> None:
+        raise _Signalled(signum)
+
+    previous = {sig: signal.signal(sig, raise_signalled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except _Signalled as exc:
+        print(f"serve: ended on {signal.Signals(exc.args[0]).name}", file=sys.stderr)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _work_root(args: argparse.Namespace) -> Path:
