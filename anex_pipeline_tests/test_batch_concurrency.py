@@ -7,6 +7,7 @@ once, so that a 200-row batch takes many waves of the engine.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,39 @@ def test_two_keys_batches_run_together_and_a_cancel_stops_only_its_own(
     assert cancelled.status == "cancelled" and 4 <= len(kept) < 60
     assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 60
     assert [r["custom_id"] for r in delivered] == [f"r{i}" for i in range(60)]
+
+
+def test_batches_sent_together_are_checked_together(
+    tmp_path: Path, fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the check of one batch is held up, a malformed batch sent after it fails at once."""
+    held, released = threading.Event(), threading.Event()
+    check = fake_runner.submit
+
+    def slow_first_check(input_path: str, *args: object, **kwargs: object) -> object:
+        if not held.is_set():
+            held.set()
+            assert released.wait(60), "the test never let the first check go on"
+        return check(input_path, *args, **kwargs)
+
+    monkeypatch.setattr(fake_runner, "submit", slow_first_check)
+    good = write_jsonl(tmp_path / "good.jsonl", rows(3))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [chat_row("a", "fine"), '{"custom_id": "b", "body": '])
+    with serving(fake_runner, max_running_batches=2) as url:
+        sdk = client(url)
+        first = submit(sdk, good, {"max_tokens": 8})
+        deadline = time.monotonic() + 30
+        while not held.is_set():
+            assert time.monotonic() < deadline, "the first batch was never checked"
+            time.sleep(0.02)
+        try:
+            failed = wait(sdk, submit(sdk, bad).id, timeout=30)
+        finally:
+            released.set()
+        done = wait(sdk, first.id)
+    assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+    assert [(e.line, e.code) for e in failed.errors.data] == [(2, "invalid_json")]
+    assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 3
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The Dagster instance of ``anex-pipeline``: first use of an empty DAGSTER_HOME by several
-processes at once, in real processes started together."""
+processes at once, in real processes started together; a new home keeps every run's events in
+one database file."""
 
 from __future__ import annotations
 
@@ -58,3 +59,11 @@ def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
+    # every run's events are in the one event database of the home, none in a file of its own
+    assert [p.name for p in (home / "history").rglob("*.db")] == ["runs.db"]
+    with sqlite3.connect(home / "event_log.db") as db:
+        runs = db.execute("select count(distinct run_id) from event_logs where run_id != ''").fetchone()[0]
+        stored = db.execute(
+            "select count(*) from event_logs where dagster_event_type = 'ASSET_MATERIALIZATION'"
+        ).fetchone()[0]
+    assert runs == 4 and stored >= 4  # submit, estimate, the shard and finish, each with its materializations

@@ -3,13 +3,19 @@ real ``anex-pipeline serve`` (in-process vLLM), alternating one / three so that 
 both alike; the medians and their ratio are printed (target: three together within 1.5x of one).
 The engine is loaded by a warm-up batch first, so no round pays for it.
 
+With ``--merged`` each pair also runs one batch holding the rows of all three: the engine's own
+time for that many rows, which three batches together cannot beat (on a CPU the engine's
+throughput grows much less than the number of rows it runs at once).
+
     python -m bench.batches_together --rows 20 --pairs 3
+    python -m bench.batches_together --rows 20 --pairs 3 --merged
     python -m bench.batches_together --rows 2 --pairs 1      # a quick check that it works
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -80,10 +86,21 @@ def run_round(url: str, inputs: list[Path]) -> float:
     return time.monotonic() - started
 
 
+def merge_inputs(inputs: list[Path], path: Path) -> None:
+    """One input file with the rows of all ``inputs``, their custom ids kept apart."""
+    with path.open("w", encoding="utf-8") as out:
+        for n, src in enumerate(inputs):
+            for line in src.read_text(encoding="utf-8").splitlines():
+                row = json.loads(line)
+                row["custom_id"] = f"{n}-{row['custom_id']}"
+                out.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=20, help="rows per batch")
     parser.add_argument("--pairs", type=int, default=3, help="rounds of one batch and of three")
+    parser.add_argument("--merged", action="store_true", help="also time one batch with the rows of all three")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="anex-bench-") as tmp:
         work = Path(tmp)
@@ -91,6 +108,8 @@ def main() -> None:
         for n in range(3):  # different rows per batch: no answer of one is reused by another
             inputs.append(work / f"in-{n}.jsonl")
             make_input(inputs[-1], args.rows, seed=n + 1, unique=True)
+        merged = work / "in-merged.jsonl"
+        merge_inputs(inputs, merged)
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         log = work / "serve.log"
@@ -98,11 +117,15 @@ def main() -> None:
         try:
             wait_up(proc, url, log)
             print(f"warm-up (engine load): {run_round(url, inputs[:1]):.1f} s", file=sys.stderr)
-            one, three = [], []
+            one, three, all_in_one = [], [], []
             for pair in range(args.pairs):
                 one.append(run_round(url, inputs[:1]))
                 three.append(run_round(url, inputs))
-                print(f"pair {pair + 1}: one {one[-1]:.2f} s, three together {three[-1]:.2f} s", file=sys.stderr)
+                line = f"pair {pair + 1}: one {one[-1]:.2f} s, three together {three[-1]:.2f} s"
+                if args.merged:
+                    all_in_one.append(run_round(url, [merged]))
+                    line += f", their rows in one batch {all_in_one[-1]:.2f} s"
+                print(line, file=sys.stderr)
         finally:
             proc.terminate()
             try:
@@ -112,6 +135,12 @@ def main() -> None:
                 proc.wait()
     m1, m3 = statistics.median(one), statistics.median(three)
     print(f"rows per batch {args.rows}; median one batch {m1:.2f} s; three together {m3:.2f} s; ratio {m3 / m1:.2f}")
+    if all_in_one:
+        mm = statistics.median(all_in_one)
+        print(
+            f"their {3 * args.rows} rows in one batch {mm:.2f} s ({mm / m1:.2f}x one batch); "
+            f"three together {m3 / mm:.2f}x that"
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Runs batches as ordinary pipeline jobs, several at once, in background threads of the service.
 
-One thread checks new batches (``JobRunner.submit``: a malformed file fails its batch with the
-line-numbered problems at once, even while others are generating); ``max_running`` threads run
-checked batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster
+``max_running`` threads check new batches (``JobRunner.submit``: a malformed file fails its
+batch with the line-numbered problems at once, even while others are generating; batches sent
+together are checked together, not one after another), and ``max_running`` threads run checked
+batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster
 runs), all on the one loaded engine, which batches their rows together and gives each API key an
 even share of its room (:mod:`anex_pipeline.engine.sharing`): a small batch does not wait behind a
 large one. Batches of another model wait until the running ones are done, since an engine holds
@@ -63,13 +64,15 @@ class BatchWorker:
         self._running: dict[str, JobDir] = {}  # batch id -> its job, while it generates
         self._models: Counter[str] = Counter()  # model -> batches running it
         self._turn = threading.Condition()  # guards both
-        self._threads = [
-            threading.Thread(target=self._loop, args=(self._checks, self._check), name="batch-check", daemon=True),
-            *(
-                threading.Thread(target=self._loop, args=(self._runs, self._run), name=f"batch-run-{n}", daemon=True)
-                for n in range(max_running)
-            ),
+        self._checkers = [
+            threading.Thread(target=self._loop, args=(self._checks, self._check), name=f"batch-check-{n}", daemon=True)
+            for n in range(max_running)
         ]
+        self._runners = [
+            threading.Thread(target=self._loop, args=(self._runs, self._run), name=f"batch-run-{n}", daemon=True)
+            for n in range(max_running)
+        ]
+        self._threads = self._checkers + self._runners
         self._counts: dict[Path, tuple[int, int, int]] = {}  # checkpoint -> (size, completed, failed)
 
     def start(self) -> None:
@@ -85,8 +88,9 @@ class BatchWorker:
         """Stops the running jobs (they resume on the next start) and waits for them, unless one
         is waiting for an engine load, which nothing can cut short."""
         self._wind_down()
-        self._checks.put(None)
-        for _ in self._threads[1:]:
+        for _ in self._checkers:
+            self._checks.put(None)
+        for _ in self._runners:
             self._runs.put(None)
         for thread in self._threads:
             if thread.is_alive() and engine_loading():
@@ -123,7 +127,8 @@ class BatchWorker:
         it runs, those of the shard generating (live) and of the others' checkpoints."""
         if record.job_id is None:
             return RequestCounts(), None
-        job = self.runner.storage.job(record.job_id)
+        with self._turn:  # a running job's folder keeps its parsed manifest between polls
+            job = self._running.get(record.id) or self.runner.storage.job(record.job_id)
         report_file = job.report_path
         if not job.exists():  # removed by a prune: the published report (beside the result) stays
             report_file = Path(default_report_path(str(self.store.output_path(record.id))))
@@ -133,8 +138,9 @@ class BatchWorker:
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
             return counts, report
-        counts = RequestCounts(total=job.manifest().total_rows)
-        for shard in range(len(job.manifest().shards)):
+        manifest = job.manifest()
+        counts = RequestCounts(total=manifest.total_rows)
+        for shard in range(len(manifest.shards)):
             live = live_progress(job, shard)
             completed, failed = (live.done - live.failed, live.failed) if live else self._checkpoint_counts(job, shard)
             counts.completed += completed
@@ -151,7 +157,7 @@ class BatchWorker:
             cached = self._counts[path] = (size, failed.count(False), failed.count(True))
         return cached[1], cached[2]
 
-    # -- the two threads -------------------------------------------------------------------------
+    # -- the threads -------------------------------------------------------------------------
     def _loop(self, jobs: queue.Queue[str | None], work: Callable[[str], None]) -> None:
         while (batch_id := jobs.get()) is not None and not self._closing.is_set():
             try:

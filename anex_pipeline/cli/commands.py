@@ -32,11 +32,21 @@ TERMINAL_OUTPUT = {
 }
 
 
-# The dagster.yaml written into a new Dagster home: SQLite storage in the home (Dagster's default).
+# The dagster.yaml written into a new Dagster home: SQLite storage in the home, with the run events
+# in one database file. Dagster's default gives each run a database file of its own, created (a
+# dozen tables) as the run starts, and writes every event of every run under one lock of the
+# process: a Batch API service running several batches at once spent seconds a batch waiting there.
 NEW_HOME_SETTINGS = """\
-# Written by anex-pipeline for a new Dagster home; storage defaults to SQLite in this folder.
+# Written by anex-pipeline for a new Dagster home: SQLite storage in this folder, every run's
+# events in one file (event_log.db) rather than one file per run.
 telemetry:
   enabled: false
+event_log_storage:
+  module: dagster._core.storage.event_log
+  class: ConsolidatedSqliteEventLogStorage
+  config:
+    base_dir:
+      env: DAGSTER_HOME
 """
 
 
