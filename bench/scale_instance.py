@@ -44,6 +44,7 @@ from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializa
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
 
+from anex_pipeline.cli.commands import NEW_HOME_SETTINGS
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_partitions, shard_keys, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
@@ -58,7 +59,6 @@ from anex_pipeline_tests.fakes import fake_engine
 ROWS_PER_SHARD = 10
 STAGES = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
 DAY = 86400.0
-SQLITE_YAML = "telemetry:\n  enabled: false\n"
 POSTGRES_YAML = """telemetry:
   enabled: false
 storage:
@@ -225,7 +225,8 @@ def instance_on(backend: str, base: Path) -> Iterator[dg.DagsterInstance]:
     home = base / f"home-{backend}"
     home.mkdir()
     if backend == "sqlite":
-        (home / "dagster.yaml").write_text(SQLITE_YAML)
+        (home / "dagster.yaml").write_text(NEW_HOME_SETTINGS)  # as the command sets up a new home
+        os.environ["DAGSTER_HOME"] = str(home)  # where those settings put the event log
         with dg.DagsterInstance.from_config(str(home)) as instance:
             yield instance
         return
