@@ -76,7 +76,7 @@ def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_
     assert second is not None and second.pid != first.pid and url == second.url
     assert starts(server_dir) == 2, "the dead server was noticed and replaced"
 
-    wait_until(lambda: not alive(second), "an idle server ends by itself")
+    wait_until(lambda: not alive(second), "an idle server ends by itself", timeout_s=150)
     assert read_state(server_dir) is None, "and leaves no state behind"
 
 

@@ -308,7 +308,7 @@ def supervise(folder: Path, idle_s: float, command: list[str]) -> int:
     if server.poll() is None:
         server.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=30)
+            server.wait(timeout=10)
     _forget(folder)
     os.killpg(0, signal.SIGKILL)  # whatever the server left in this group, and this supervisor
     return 0
