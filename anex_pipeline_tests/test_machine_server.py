@@ -100,6 +100,7 @@ def test_a_jobs_step_processes_share_one_loaded_engine(
     tmp_path: Path, server_dir: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("ANEX_EXECUTOR", "multiprocess")  # each step a process of its own
     from anex_pipeline_tests.shared_engine_location import defs
 
     deployment = Deployment(defs, instance)

@@ -87,9 +87,9 @@ def starts(folder: Path) -> int:
 
 
 def alive(state: ServerState) -> bool:
-    from anex_pipeline.engine.orphans import start_time
+    from anex_pipeline.engine.orphans import running
 
-    return start_time(state.pid) == state.start
+    return running(state.pid, state.start)
 
 
 def healthy(url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:

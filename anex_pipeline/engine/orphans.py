@@ -87,6 +87,13 @@ def start_time(pid: int) -> int | None:
     return None if fields is None else int(fields[START])
 
 
+def running(pid: int, start: int) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` and has not exited (a
+    process that exited stays in /proc, as a zombie, until its parent reaps it)."""
+    fields = _stat(pid)
+    return fields is not None and int(fields[START]) == start and fields[0] != b"Z"
+
+
 def _stat(pid: int) -> list[bytes] | None:
     """The fields of /proc/<pid>/stat that follow the command name (which, in brackets, may hold
     anything); None when there is no such process."""
