@@ -22,6 +22,10 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
         return cls(**{name: getattr(config, name) for name in StorageConfig.model_fields})
 
 
+def _machine_server_default() -> str:
+    return "0" if os.environ.get("ANEX_EXECUTOR") == "k8s" else "1"
+
+
 class EngineResource(dg.ConfigurableResource, EngineConfig):
     """The engine settings (:class:`~anex_pipeline.engine.config.EngineConfig`) as a Dagster
     resource; ``keep_loaded`` keeps the engine loaded after a run (the CLI shares it across runs).
@@ -35,9 +39,10 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         default=False, description="Keep the engine loaded after the run (the CLI shares it across runs)."
     )
     machine_server: bool = Field(
-        default_factory=lambda: os.environ.get("ANEX_MACHINE_SERVER", "1") != "0",
+        default_factory=lambda: os.environ.get("ANEX_MACHINE_SERVER", _machine_server_default()) != "0",
         description="vLLM engine: share one model server per machine between the step processes, "
-        "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off).",
+        "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
+        "with ANEX_EXECUTOR=k8s, where each step has a pod of its own).",
     )
     machine_server_idle_s: float = Field(
         default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
