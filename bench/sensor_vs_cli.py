@@ -5,7 +5,8 @@ the machine's shared model server), from upload to result file. Rounds alternate
 medians and their ratio are printed (target: the inbox within 1.5x of the CLI), and for each inbox
 round when each Dagster run was created, started and ended, counted from the upload.
 
-The shared server outlives a round (it ends after 10 minutes idle), so only the first inbox round
+Every round's questions are its own, so no round reuses another's answers. The shared server
+outlives a round (it ends after 10 minutes idle), so only the first inbox round
 pays the model load, as on a machine whose daemon has run a job in the last 10 minutes;
 ``--cold`` stops it before every inbox round instead.
 
@@ -48,6 +49,20 @@ def bench_env(root: Path) -> dict[str, str]:
 def dagster(env: dict[str, str], *args: str) -> None:
     command = [str(Path(sys.executable).with_name("dagster")), *args, "-w", str(REPO / "workspace.yaml")]
     subprocess.run(command, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+
+
+def round_input(root: Path, rows: int, name: str) -> Path:
+    """The benchmark's rows with the round's name in every question: no round can reuse another's
+    answers (the pipeline keeps answers across jobs), so each generates all its rows."""
+    src = root / f"{name}.input.jsonl"
+    make_input(src, rows, unique=True)
+    lines = []
+    for line in src.read_text().splitlines():
+        row = json.loads(line)
+        row["body"]["messages"][-1]["content"] += f" [{name}]"
+        lines.append(json.dumps(row))
+    src.write_text("\n".join(lines) + "\n")
+    return src
 
 
 def cli_round(root: Path, src: Path, n: int, env: dict[str, str]) -> float:
@@ -108,8 +123,6 @@ def main() -> None:
     (root / "home").mkdir()
     (root / "inbox").mkdir()
     shutil.copy(REPO / "dagster.yaml", root / "home" / "dagster.yaml")
-    src = root / "input.jsonl"
-    make_input(src, args.rows, unique=True)
     dagster(env, "sensor", "start", "local_inbox")
     dagster(env, "sensor", "start", "job_driver")
     from anex_pipeline.engine.machine_server import stop_server
@@ -122,10 +135,10 @@ def main() -> None:
     cli, inbox = [], []
     try:
         for n in range(args.pairs):
-            cli.append(cli_round(root, src, n, env))
+            cli.append(cli_round(root, round_input(root, args.rows, f"cli-{n}"), n, env))
             if args.cold:
                 stop_server()
-            seconds, uploaded = inbox_round(root, src, n, daemon)
+            seconds, uploaded = inbox_round(root, round_input(root, args.rows, f"inbox-{n}"), n, daemon)
             inbox.append(seconds)
             print(f"pair {n}: cli {cli[-1]:.1f} s, inbox {inbox[-1]:.1f} s; runs (created, started, ended):")
             print("\n".join(timeline(uploaded)), flush=True)
