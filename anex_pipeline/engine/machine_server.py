@@ -158,14 +158,11 @@ def cpu_build() -> bool:
     return True
 
 
-class _Stopped(Exception):
-    pass
-
-
-def server_for(settings: Any, idle_s: float = DEFAULT_IDLE_S, folder: Path | None = None, stop: Any = None) -> str:
+def server_for(settings: Any, idle_s: float = DEFAULT_IDLE_S, folder: Path | None = None) -> str:
     """The address of this machine's model server for ``settings``, started (and waited for) if
-    none serves them. ``stop`` (a check that raises) is called while waiting."""
-    from filelock import FileLock, Timeout
+    none serves them. The waits sleep in short steps, so a stop signal (which raises in a step
+    waiting for its engine) cuts them short."""
+    from filelock import FileLock
 
     from anex_pipeline.engine import EngineLoadFailed
 
@@ -173,44 +170,32 @@ def server_for(settings: Any, idle_s: float = DEFAULT_IDLE_S, folder: Path | Non
     folder.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(folder / "lock"))
     key = settings_key(settings)
-    while True:
-        try:
-            lock.acquire(timeout=POLL_S)
-            break
-        except Timeout:
-            if stop is not None:
-                stop()
-    try:
+    with lock:  # the lock polls in short sleeps: a stop signal still gets through
         state = read_state(folder)
         if state is not None and alive(state) and state.key == key and healthy(state.url):
             os.utime(folder / "state.json")  # activity: the idle clock starts again
             return state.url
         if state is not None:
-            _retire(folder, state, key, stop)
+            _retire(folder, state, key)
         state = _start(folder, settings, key, idle_s)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not healthy(state.url, timeout=2.0):
-            if not alive(state):
-                tail = Path(state.log).read_text(encoding="utf-8", errors="replace")[-2000:]
-                raise EngineLoadFailed(f"the machine's model server for {settings.model_name} exited: {tail}")
-            if time.monotonic() > deadline:
-                stop_server(folder)
-                raise EngineLoadFailed(f"the machine's model server did not answer in {START_TIMEOUT_S:.0f} s")
-            if stop is not None:
-                stop()
+            if not alive(state) or time.monotonic() > deadline:
+                _retire(folder, state, key)
+                tail = " ".join(Path(state.log).read_text(encoding="utf-8", errors="replace")[-600:].split())
+                raise EngineLoadFailed(
+                    f"the machine's model server for {settings.model_name} did not start (its log: {state.log}); "
+                    f"the log ends: {tail}"
+                )
             time.sleep(POLL_S)
         return state.url
-    finally:
-        lock.release()
 
 
-def _retire(folder: Path, state: ServerState, key: str, stop: Any) -> None:
+def _retire(folder: Path, state: ServerState, key: str) -> None:
     """Stops a server that cannot serve (dead, not answering, or other settings: once it has no
     request left). Called with the lock held."""
     if alive(state) and state.key != key:
         while busy(state.url):  # its rows belong to another job: let them finish
-            if stop is not None:
-                stop()
             time.sleep(POLL_S)
     _terminate(state)
     (folder / "state.json").unlink(missing_ok=True)
@@ -238,13 +223,15 @@ def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ)
+    before = os.environ.get("LD_PRELOAD")
     if cpu_build():
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-        added = cpu_preload.preload()
-        env["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", "")
-        if added:  # the libraries go to the server only, not to later processes started from here
-            os.environ["LD_PRELOAD"] = ":".join(p for p in env["LD_PRELOAD"].split(":") if p not in added)
+        cpu_preload.preload()  # into this process's environment: the server inherits it
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+    if before is None:  # later processes started from here get the environment they had
+        os.environ.pop("LD_PRELOAD", None)
+    else:
+        os.environ["LD_PRELOAD"] = before
     log_path = folder / f"server-{port}.log"
     command = [sys.executable, "-m", MARKER, str(folder), str(idle_s), *server_command(settings, port)]
     with log_path.open("ab") as log:
