@@ -96,3 +96,40 @@ def test_a_pid_that_now_names_another_process_is_spared() -> None:
         assert sleeper.wait(timeout=5) == -signal.SIGKILL
     finally:
         sleeper.kill()
+
+
+GUARDED_WITH_SERVER = """
+import subprocess, sys, time
+from anex_pipeline.engine import orphans
+
+orphans.guard_descendants()
+# Named like the shared model server's supervisor, with a child of its own.
+server = subprocess.Popen(["sh", "-c", "sleep 600 & wait", orphans.DETACHED.decode()], start_new_session=True)
+time.sleep(3 * orphans.SCAN_INTERVAL_S)  # the guard has looked at the family since
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_shared_model_server_outlives_the_guarded_process_that_started_it(tmp_path: Path) -> None:
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED_WITH_SERVER)
+    guarded = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server: dict[int, int] = {}
+    try:
+        assert guarded.stdout is not None
+        assert select.select([guarded.stdout], [], [], 60)[0], "the guarded process never started its server"
+        supervisor = int(guarded.stdout.readline())
+        server = descendants(supervisor) | {supervisor: start_time(supervisor) or 0}
+        assert len(server) == 2  # the supervisor and the sleep under it
+        guards = [pid for pid in descendants(guarded.pid) if b"orphans.py" in command_line(pid)]
+        assert len(guards) == 1 and supervisor not in descendants(guarded.pid)
+        guard_started = start_time(guards[0])
+        guarded.kill()
+        guarded.wait()
+        wait_until(lambda: start_time(guards[0]) != guard_started, 5, "the guard did not finish")
+        assert all(start_time(pid) == start for pid, start in server.items()), "the server was killed"
+    finally:
+        guarded.kill()
+        for pid, start in server.items():  # kill_all spares them, as the guard does
+            kill_if_same(pid, start)

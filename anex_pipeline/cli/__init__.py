@@ -15,6 +15,7 @@ from anex_pipeline.cli.commands import (
     cmd_backfill,
     cmd_delete,
     cmd_list,
+    cmd_machine_server,
     cmd_prune,
     cmd_report,
     cmd_run,
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
         "list": cmd_list,
         "delete": cmd_delete,
         "prune": cmd_prune,
+        "machine-server": cmd_machine_server,
     }
     try:
         return handlers[args.command](args)

@@ -407,3 +407,19 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if not removed:
             print("nothing to remove", file=sys.stderr)
     return ExitCode.OK
+
+
+def cmd_machine_server(args: argparse.Namespace) -> int:
+    from anex_pipeline.engine.machine_server import alive, read_state, state_dir, stop_server
+
+    folder = state_dir()
+    state = read_state(folder)
+    if state is None or not alive(state):
+        print(f"no model server runs from {folder}", file=sys.stderr)
+        return ExitCode.OK
+    if args.action == "stop":
+        stop_server(folder)
+        print(f"stopped the model server for {state.model_name} at {state.url}", file=sys.stderr)
+    else:
+        print(f"{state.model_name} at {state.url} (supervisor pid {state.pid}, log {state.log})")
+    return ExitCode.OK

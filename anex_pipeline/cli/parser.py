@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     prn.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     prn.add_argument("--json", action="store_true", help="print JSON for scripts")
     _work_dir_flag(prn)
+
+    ms = sub.add_parser("machine-server", help="show or stop the model server this machine's Dagster steps share")
+    ms.add_argument("action", choices=["status", "stop"], help="status: print it; stop: stop it now")
     return parser
 
 

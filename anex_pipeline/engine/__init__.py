@@ -32,6 +32,7 @@ __all__ = [
     "HttpSettings",
     "engine_for",
     "load_engine",
+    "machine_engine",
     "register_engine",
     "release_engines",
     "resolve_request",
@@ -172,9 +173,25 @@ def register_engine(kind: str, factory: EngineFactory) -> None:
 
 def engine_for(config: EngineConfig, manifest: JobManifest) -> Engine:
     """The engine a job runs on under these settings."""
-    kind = config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
+    kind = _kind(config)
     factory = _factories.get(kind)
     if factory is None:
         known = ", ".join(sorted(["auto", *_factories]))
         raise EngineLoadFailed(f"no engine named {kind!r}: use one of {known}")
     return factory(config, manifest)
+
+
+def _kind(config: EngineConfig) -> str:
+    return config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
+
+
+def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -> Engine:
+    """The engine a job runs on, with the vLLM engine replaced by this machine's shared model
+    server (started if none serves the job's model and settings) reached over loopback."""
+    if _kind(config) != "vllm":
+        return engine_for(config, manifest)
+    from anex_pipeline.engine.machine_server import server_for
+
+    url = server_for(vllm_settings(config, manifest), idle_s)
+    shared = config.model_copy(update={"kind": "http", "base_url": url, "api_key": None})
+    return _http_engine(shared, manifest)

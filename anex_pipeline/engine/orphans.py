@@ -13,7 +13,8 @@ crash or signal. Until then the guard notes this process's descendants every ``S
 never taken for one of them). When the pipe closes it looks once more, SIGKILLs every noted
 process that is still the same process, and exits. A multiprocessing resource tracker is spared:
 it ends by itself once the processes it serves are gone, after removing the shared memory they
-left behind.
+left behind. So is the machine's shared model server (``anex_pipeline.engine.machine_server``)
+with everything under it: it is meant to outlive the process that started it.
 
 The guard is this file run as a script in an isolated interpreter (standard library only), so it
 starts in a few tens of milliseconds and stays small.
@@ -30,6 +31,7 @@ import threading
 
 SCAN_INTERVAL_S = 0.2
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
+DETACHED = b"anex_pipeline.engine.machine_server"  # the shared model server's supervisor
 PPID, START = 1, 19  # fields of /proc/<pid>/stat, counted after the command name
 
 _lock = threading.Lock()
@@ -85,6 +87,13 @@ def start_time(pid: int) -> int | None:
     return None if fields is None else int(fields[START])
 
 
+def running(pid: int, start: int) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` and has not exited (a
+    process that exited stays in /proc, as a zombie, until its parent reaps it)."""
+    fields = _stat(pid)
+    return fields is not None and int(fields[START]) == start and fields[0] != b"Z"
+
+
 def _stat(pid: int) -> list[bytes] | None:
     """The fields of /proc/<pid>/stat that follow the command name (which, in brackets, may hold
     anything); None when there is no such process."""
@@ -108,7 +117,7 @@ def descendants(root: int, known: dict[int, int] | None = None) -> dict[int, int
     stack = [root, *known]
     while stack:
         for child in children.get(stack.pop(), ()):
-            if child != me and child not in known:
+            if child != me and child not in known and not _cmdline_has(child, DETACHED):
                 known[child] = table[child][1]
                 stack.append(child)
     return known
@@ -131,12 +140,27 @@ def kill_if_same(pid: int, start: int) -> bool:
         os.close(handle)
 
 
-def _resource_tracker(pid: int) -> bool:
+def _cmdline_has(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return RESOURCE_TRACKER in f.read()
+            return marker in f.read()
     except OSError:
         return False
+
+
+def _detached(pid: int) -> bool:
+    """Whether ``pid`` is the shared model server's supervisor or runs under it (noted, perhaps,
+    in the instant between its start and its program's)."""
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        if _cmdline_has(pid, DETACHED):
+            return True
+        fields = _stat(pid)
+        if fields is None:
+            return False
+        pid = int(fields[PPID])
+    return False
 
 
 def _parent_gone(timeout: float) -> bool:
@@ -155,9 +179,10 @@ def watch(parent: int) -> None:
 
 def kill_all(known: dict[int, int]) -> None:
     """SIGKILLs the processes of ``known`` (pid -> start time) still alive, but for resource
-    trackers, which end by themselves once the rest are gone, removing their shared memory."""
+    trackers, which end by themselves once the rest are gone, removing their shared memory, and
+    the shared model server."""
     for pid, start in known.items():
-        if not _resource_tracker(pid):
+        if not _cmdline_has(pid, RESOURCE_TRACKER) and not _detached(pid):
             kill_if_same(pid, start)
 
 

@@ -47,10 +47,16 @@ def build_definitions(
 
 
 def _executor() -> dg.ExecutorDefinition | None:
-    """``ANEX_EXECUTOR=k8s`` runs each step in its own Kubernetes pod (see deploy/README.md);
-    otherwise Dagster's default executor (one process per step)."""
-    if os.environ.get("ANEX_EXECUTOR") != "k8s":
-        return None
+    """Every step of a run in the run's own process by default: a job's runs have one or two
+    steps each, which follow one another, and the engine lives in the machine's shared model
+    server rather than in a step, so a process per step would only add its start (seconds each).
+    ``ANEX_EXECUTOR=multiprocess`` gives each step a process of its own again; ``ANEX_EXECUTOR=k8s``
+    runs each step in its own Kubernetes pod (see deploy/README.md)."""
+    choice = os.environ.get("ANEX_EXECUTOR", "")
+    if choice == "multiprocess":
+        return dg.multiprocess_executor
+    if choice != "k8s":
+        return dg.in_process_executor
     from dagster_k8s import k8s_job_executor
 
     return k8s_job_executor

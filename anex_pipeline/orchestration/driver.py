@@ -6,6 +6,7 @@ holds the job's lease). Off until started in the UI (Automation) or with ``dagst
 
 # No "from __future__ import annotations" here: Dagster reads the sensors' resource annotations.
 
+import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -75,7 +76,7 @@ def next_steps(p: JobProgress, shard_count: int, failures: Mapping[int, ShardFai
 @dg.sensor(
     name="job_driver",
     jobs=[estimate_job, shard_job, finish_job],
-    minimum_interval_seconds=10,
+    minimum_interval_seconds=int(os.environ.get("ANEX_DRIVER_INTERVAL_S", "10")),
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(
         "Moves every submitted job on: estimate after submit, each shard after the estimate, merge and "

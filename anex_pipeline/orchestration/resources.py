@@ -3,10 +3,13 @@ its plain settings (its fields are theirs) so the Dagster layer adds nothing but
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineConfig, engine_for, release_engines
+from anex_pipeline.engine import Engine, EngineConfig, engine_for, machine_engine, release_engines
+from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobManifest
 
@@ -19,19 +22,41 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
         return cls(**{name: getattr(config, name) for name in StorageConfig.model_fields})
 
 
+def _machine_server_default() -> str:
+    return "0" if os.environ.get("ANEX_EXECUTOR") == "k8s" else "1"
+
+
 class EngineResource(dg.ConfigurableResource, EngineConfig):
     """The engine settings (:class:`~anex_pipeline.engine.config.EngineConfig`) as a Dagster
-    resource; ``keep_loaded`` keeps the engine loaded after a run (the CLI shares it across runs)."""
+    resource; ``keep_loaded`` keeps the engine loaded after a run (the CLI shares it across runs).
+
+    Dagster runs each step in a process of its own, so by default the vLLM engine is not loaded
+    in the step: the steps of every job on the machine share one model server
+    (:mod:`anex_pipeline.engine.machine_server`), which ends after ``machine_server_idle_s``
+    without requests. One process running every step (the CLI, the Batch API) turns it off."""
 
     keep_loaded: bool = Field(
         default=False, description="Keep the engine loaded after the run (the CLI shares it across runs)."
     )
+    machine_server: bool = Field(
+        default_factory=lambda: os.environ.get("ANEX_MACHINE_SERVER", _machine_server_default()) != "0",
+        description="vLLM engine: share one model server per machine between the step processes, "
+        "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
+        "with ANEX_EXECUTOR=k8s, where each step has a pod of its own).",
+    )
+    machine_server_idle_s: float = Field(
+        default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
+    )
 
     @classmethod
     def wrapping(cls, config: EngineConfig, *, keep_loaded: bool = False) -> EngineResource:
-        return cls(**{name: getattr(config, name) for name in EngineConfig.model_fields}, keep_loaded=keep_loaded)
+        """The resource for one process that runs every step itself: the engine in that process."""
+        fields = {name: getattr(config, name) for name in EngineConfig.model_fields}
+        return cls(**fields, keep_loaded=keep_loaded, machine_server=False)
 
     def engine_for(self, manifest: JobManifest) -> Engine:
+        if self.machine_server:
+            return machine_engine(self.plain(), manifest, self.machine_server_idle_s)
         return engine_for(self.plain(), manifest)
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
