@@ -63,8 +63,9 @@ def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
 
 
 def real_engine_resource(**more: Any) -> EngineResource:
-    """The real vLLM engine on this machine, sized for the CPU build and small test jobs."""
-    return EngineResource(max_model_len=2048, **more)
+    """The real vLLM engine in this process, sized for the CPU build and small test jobs (the
+    machine's shared model server only where a test asks for it)."""
+    return EngineResource(**{"max_model_len": 2048, "machine_server": False, **more})
 
 
 @pytest.fixture(scope="session")
