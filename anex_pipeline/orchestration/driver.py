@@ -76,7 +76,7 @@ def next_steps(p: JobProgress, shard_count: int, failures: Mapping[int, ShardFai
 @dg.sensor(
     name="job_driver",
     jobs=[estimate_job, shard_job, finish_job],
-    minimum_interval_seconds=int(os.environ.get("ANEX_DRIVER_INTERVAL_S", "10")),
+    minimum_interval_seconds=int(os.environ.get("ANEX_DRIVER_INTERVAL_S", "5")),
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(
         "Moves every submitted job on: estimate after submit, each shard after the estimate, merge and "

@@ -273,7 +273,7 @@ def folder_arrivals(inbox: Path, outbox: Path, settle_seconds: float) -> Iterato
 @dg.sensor(
     name="local_inbox",
     job=submit_job,
-    minimum_interval_seconds=10,
+    minimum_interval_seconds=5,
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(
         "Each new JSONL or Parquet file in the inbox folder becomes a job, with options from a sidecar "
