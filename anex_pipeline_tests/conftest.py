@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from anex_pipeline.cli.commands import TERMINAL_OUTPUT
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
@@ -50,9 +52,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
+def local_instance() -> contextlib.AbstractContextManager[dg.DagsterInstance]:
+    """A Dagster instance on disk in a temporary folder, set up as the command sets up its own:
+    step output is not captured. (The in-memory instance refuses a key-value write while another
+    thread runs a job; Dagster's default capture redirects the whole process's output through
+    helper processes, once per step, which threads running steps at once tangle.)"""
+    return dg.instance_for_test(set_dagster_home=False, overrides=TERMINAL_OUTPUT)
+
+
 @pytest.fixture
 def instance() -> Iterator[dg.DagsterInstance]:
-    with dg.instance_for_test(set_dagster_home=False) as inst:
+    with local_instance() as inst:
         yield inst
 
 
@@ -72,7 +82,7 @@ def real_engine_resource(**more: Any) -> EngineResource:
 def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]:
     """One runner on the real engine for the whole session: engine modules share its loaded model."""
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("real-work")))
-    with dg.instance_for_test(set_dagster_home=False) as inst:
+    with local_instance() as inst:
         runner = JobRunner(inst, storage, real_engine_resource())
         yield runner
         runner.close()

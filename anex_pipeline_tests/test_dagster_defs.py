@@ -8,13 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dagster as dg
-
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,13 +48,13 @@ def test_materializing_partitions_from_dagster_equals_the_cli_result(tmp_path: P
     rows = [chat_row(f"d{i}", f"question {i}", max_tokens=12) for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
 
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w1")), fake_engine())
         runner.run(runner.submit(str(src), str(tmp_path / "cli.jsonl"), {"shards": 3}))
 
     storage = StorageResource(work_root=str(tmp_path / "w2"))
     d = build_definitions(storage, fake_engine())
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         instance.add_dynamic_partitions(JOBS, ["ui-job"])
         submit = {
             "ops": {

@@ -26,7 +26,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -116,7 +116,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     options = {"max_tokens": 40, "shards": 1, "checkpoint_rows": CHUNK}
     killed: list[tuple[object, int]] = []
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(
             instance,
             StorageResource(work_root=str(tmp_path / "work")),

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import pytest
 from openai.types.chat import ChatCompletion
 
@@ -21,7 +20,7 @@ from anex_pipeline.engine import EngineConfig
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -45,7 +44,7 @@ def tokenizer(tiny: Path) -> Any:
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> Iterator[JobRunner]:
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("thinking-work")))
-    with dg.instance_for_test(set_dagster_home=False) as inst:
+    with local_instance() as inst:
         # keep_loaded given here: Dagster rebuilds a resource from its constructor arguments, so
         # the runner's own model_copy(update=...) of it does not reach the steps.
         job_runner = JobRunner(inst, storage, EngineConfig(max_model_len=512))

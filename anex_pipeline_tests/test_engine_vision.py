@@ -25,7 +25,14 @@ from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, real_engine_resource, run_job, write_jsonl
+from anex_pipeline_tests.conftest import (
+    chat_row,
+    local_instance,
+    read_jsonl,
+    real_engine_resource,
+    run_job,
+    write_jsonl,
+)
 from anex_pipeline_tests.test_batch_api import content, wait
 from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
 from anex_pipeline_tests.test_stop_real import Served
@@ -191,7 +198,7 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "ui.jsonl"
     d = build_definitions(StorageResource(work_root=str(tmp_path / "work")), real_engine_resource(keep_loaded=True))
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         instance.add_dynamic_partitions(JOBS, ["vision"])
         config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, media_server)}
         submit = {"ops": {"validated_input": {"config": config}}}

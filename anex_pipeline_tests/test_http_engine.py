@@ -16,7 +16,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import httpx
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse
@@ -41,7 +40,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.vllm_serve import free_port, vllm_servers
 
 SERVED = "served-model"
@@ -346,7 +345,7 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     storage = StorageResource(work_root=str(tmp_path / "work"))
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, storage, EngineConfig(base_url=vllm_server))
         try:
             report = run_job(runner, src, out)

@@ -19,7 +19,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.stages.estimate import estimate_lengths
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
 
 
@@ -187,7 +187,7 @@ def test_backfill_command_reruns_only_unfinished_shards(
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     monkeypatch.setenv("ANEX_ENGINE", "fake")  # the command's engine settings read it
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"b{i}", f"q {i}", max_tokens=30) for i in range(30)])
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine())
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"shards": 3})
         runner.run(job, shards=[1])

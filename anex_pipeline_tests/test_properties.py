@@ -9,7 +9,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import dagster as dg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +17,7 @@ from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
 from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 
@@ -73,13 +72,13 @@ def test_rows_exactly_once_in_order_through_engine_deaths(
     keys = [r["custom_id"] for r in rows]
 
     ENGINE["current"] = DyingEngine([])
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         clean = JobRunner(instance, StorageResource(work_root=str(tmp / "clean")), fake_engine("dying"))
         (reference,) = run_until_complete(clean, src, tmp / "clean.jsonl", options)
 
     engine = DyingEngine(faults)
     ENGINE["current"] = engine
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp / "work")), fake_engine("dying"))
         runs = run_until_complete(runner, src, tmp / "out.jsonl", options)
 

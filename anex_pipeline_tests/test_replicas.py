@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import dagster as dg
 import httpx
 import pytest
 
@@ -25,7 +24,7 @@ from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, Ser
 from anex_pipeline.engine.replicas import ServersDown, server_urls
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.test_http_engine import FakeServer, request
 from anex_pipeline_tests.vllm_serve import Served, free_port, vllm_servers
 
@@ -172,7 +171,7 @@ def test_two_replicas_share_a_job_and_killing_one_mid_job_loses_no_row(tmp_path:
     storage = StorageResource(work_root=str(tmp_path / "work"))
     engine = EngineResource(base_url=f"{kept.url},{killed.url}", max_concurrency=4)
     report_box: list[object] = []
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, storage, engine)
         job = threading.Thread(target=lambda: report_box.append(run_job(runner, src, out)))
         try:

@@ -28,7 +28,7 @@ from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.stepping import STEPPING, SteppingEngine, stepping
 
@@ -124,7 +124,7 @@ def test_an_engine_death_that_comes_with_a_stop_is_the_stop(tmp_path: Path, monk
 def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(ROWS)])
     engine = stepping[0] = SteppingEngine(step_s=0.01)
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"max_tokens": 8, "shards": 2})
 
@@ -153,7 +153,7 @@ def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: 
     rows = 60
     engine = stepping[0] = SteppingEngine(step_s=0.05)  # 3 s for the batch; default checkpoint_rows
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         with serving(runner) as url:
             sdk = client(url)
@@ -180,7 +180,7 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
     rows = 30
     stepping[0] = SteppingEngine(step_s=0.02)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         with serving(runner) as url:
             sdk = client(url)
@@ -241,7 +241,7 @@ def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monk
     monkeypatch.setattr(fetch_media, "fetch_shard", interrupted_fetch)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
     stepping[0] = SteppingEngine()
-    with dg.instance_for_test(set_dagster_home=False) as instance:
+    with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"max_tokens": 8})
         report = runner.run(job)
