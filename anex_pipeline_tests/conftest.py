@@ -52,12 +52,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
-def local_instance() -> contextlib.AbstractContextManager[dg.DagsterInstance]:
+def local_instance(
+    temp_dir: str | None = None, *, set_dagster_home: bool = False
+) -> contextlib.AbstractContextManager[dg.DagsterInstance]:
     """A Dagster instance on disk in a temporary folder, set up as the command sets up its own:
     step output is not captured. (The in-memory instance refuses a key-value write while another
     thread runs a job; Dagster's default capture redirects the whole process's output through
     helper processes, once per step, which threads running steps at once tangle.)"""
-    return dg.instance_for_test(set_dagster_home=False, overrides=TERMINAL_OUTPUT)
+    return dg.instance_for_test(temp_dir=temp_dir, set_dagster_home=set_dagster_home, overrides=TERMINAL_OUTPUT)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_media import MediaServer, image, media_row
@@ -216,13 +216,13 @@ def test_restart_keeps_records_and_resumes(tmp_path: Path, monkeypatch: pytest.M
     home = tmp_path / "dagster_home"  # a SQLite instance on disk, opened twice
     home.mkdir()
     with (
-        dg.instance_for_test(temp_dir=str(home)) as instance,
+        local_instance(str(home), set_dagster_home=True) as instance,
         serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE))) as url,
     ):
         sdk = client(url)
         batch = submit(sdk, src, {"max_tokens": 8, "checkpoint_rows": 2})
         wait_for_rows(sdk, batch.id, 4)
-    with dg.instance_for_test(temp_dir=str(home)) as instance:
+    with local_instance(str(home), set_dagster_home=True) as instance:
         # No keys given: the ones stored (hashed) at the first start are still valid.
         with serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE)), keys=None) as url:
             sdk = client(url)

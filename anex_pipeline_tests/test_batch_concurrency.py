@@ -12,12 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import dagster as dg
 import pytest
 
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_batch_api import KEY_A, KEY_B, client, content, rows, serving, submit, wait
@@ -35,7 +34,7 @@ def test_two_keys_batches_run_together_and_a_cancel_stops_only_its_own(
     src = write_jsonl(tmp_path / "in.jsonl", rows(60))
     storage = StorageResource(work_root=str(tmp_path / "work"))
     with (
-        dg.instance_for_test() as instance,
+        local_instance(set_dagster_home=True) as instance,
         serving(JobRunner(instance, storage, fake_engine(SLOW_FAKE)), max_running_batches=2) as url,
     ):
         alice, bob = client(url, KEY_A), client(url, KEY_B)
@@ -95,7 +94,7 @@ def test_batches_sent_together_are_checked_together(
 def narrow_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]:
     """Real vLLM that runs 16 rows at once, on an instance on disk (batches run in threads)."""
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("narrow-work")))
-    with dg.instance_for_test() as instance:
+    with local_instance(set_dagster_home=True) as instance:
         runner = JobRunner(instance, storage, EngineResource(max_model_len=2048, max_num_seqs=16))
         yield runner
         runner.close()

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import dagster as dg
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -25,7 +24,7 @@ from anex_pipeline import cli
 from anex_pipeline.cli import commands
 from anex_pipeline.errors import ExitCode
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_sensors import local_deployment, submitted
 
 T = TypeVar("T")
@@ -219,7 +218,7 @@ def test_the_local_inbox_skips_a_fifo_sidecar_without_waiting(tmp_path: Path) ->
     write_jsonl(inbox / "a.jsonl", [chat_row("a", "hi")])
     os.mkfifo(inbox / "a.jsonl.job.json")
     good = write_jsonl(inbox / "b.jsonl", [chat_row("b", "hi")])
-    with dg.instance_for_test() as instance:  # on disk: a sensor tick reopens it by reference
+    with local_instance(set_dagster_home=True) as instance:  # on disk: a sensor tick reopens it by reference
         deployment = local_deployment(tmp_path, instance, folder=str(inbox), outbox=str(tmp_path / "done"))
         data = without_hanging(lambda: deployment.tick("local_inbox"), inbox / "a.jsonl.job.json")
     assert [c["input"] for c in submitted(data)] == [str(good)]

@@ -22,7 +22,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
 from anex_pipeline_tests.test_sensors import Deployment
@@ -88,7 +88,7 @@ def test_forty_shards_complete_once_in_order_with_exactly_their_keys_and_delete_
 
 
 def test_a_job_prepared_again_with_fewer_shards_keeps_only_those_keys(tmp_path: Path) -> None:
-    with dg.instance_for_test() as instance:
+    with local_instance(set_dagster_home=True) as instance:
         register_job(instance, "j", 5)
         register_job(instance, "other", 2)
         register_job(instance, "j", 3)
@@ -102,7 +102,7 @@ def test_a_job_whose_shards_have_no_keys_is_run_by_the_cli_and_by_the_driver(tmp
     rows = [chat_row(f"m{i}", f"question {i}") for i in range(9)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     storage_root = tmp_path / "work"
-    with dg.instance_for_test() as instance:
+    with local_instance(set_dagster_home=True) as instance:
         storage = StorageResource(work_root=str(storage_root))
         deployment = Deployment(build_definitions(storage, fake_engine()), instance)
         config = {"input": str(src), "output": str(tmp_path / "ui.jsonl"), "options": {"shards": 3}}
@@ -143,7 +143,7 @@ def test_real_engine_job_with_four_shards_has_four_keys(tmp_path: Path, real_run
 def test_three_thousand_shards_get_their_keys_and_the_driver_asks_for_each_once(tmp_path: Path) -> None:
     """Thousands of shards: prepared, keyed and requested by the driver in one tick (not run)."""
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q{i}") for i in range(3000)])
-    with dg.instance_for_test() as instance:
+    with local_instance(set_dagster_home=True) as instance:
         storage = StorageResource(work_root=str(tmp_path / "work"))
         deployment = Deployment(build_definitions(storage, fake_engine()), instance)
         config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"shard_rows": 1}}
