@@ -154,10 +154,12 @@ def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path:
     filler = fill_up_once(work, proc, lambda: len(checkpoint_lines(work)) >= 30)
     code, err = finish(proc)
     assert_clean_failure(code, err, work)
-    assert not out.exists()  # no result from a job that could not finish
-
     kept = checkpoint_lines(work)
     assert 30 <= len(kept) < ROWS
+    # A stopped job delivers its finished rows when there is room to merge them (the failed
+    # append gave back its blocks): then the result holds exactly those rows, whole.
+    delivered = read_jsonl(out) if out.exists() else []
+    assert len(delivered) in (0, len(kept))
     assert all(line.endswith("\n") and json.loads(line)["error"] is None for line in kept)  # whole rows only
 
     filler.unlink()
