@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-MARKER = "anex_pipeline.engine.machine_server"  # in the supervisor's command line: orphan guards spare it
+from anex_pipeline.engine.orphans import DETACHED, running, start_time  # this module's name: orphan guards spare what runs it
+
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
 POLL_S = 0.5
@@ -87,8 +88,6 @@ def starts(folder: Path) -> int:
 
 
 def alive(state: ServerState) -> bool:
-    from anex_pipeline.engine.orphans import running
-
     return running(state.pid, state.start)
 
 
@@ -218,7 +217,6 @@ def _terminate(state: ServerState, grace_s: float = 30.0) -> None:
 
 def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
     from anex_pipeline.engine import cpu_preload
-    from anex_pipeline.engine.orphans import start_time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,7 +231,7 @@ def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
     else:
         os.environ["LD_PRELOAD"] = before
     log_path = folder / f"server-{port}.log"
-    command = [sys.executable, "-m", MARKER, str(folder), str(idle_s), *server_command(settings, port)]
+    command = [sys.executable, "-m", DETACHED.decode(), str(folder), str(idle_s), *server_command(settings, port)]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             command,
