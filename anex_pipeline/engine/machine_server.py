@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.engine.orphans import DETACHED, running, start_time  # this module's name: orphan guards spare what runs it
+# DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
+from anex_pipeline.engine.orphans import DETACHED, running, start_time
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
