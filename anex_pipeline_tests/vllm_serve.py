@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from anex_pipeline.engine.cpu_environment import engine_environment
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 
 START_TIMEOUT_S = 300.0
@@ -62,7 +63,7 @@ def start_server(log_path: Path) -> Served:
         "--max-model-len",
         "2048",
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **engine_environment(kv_cache_gib=1)}  # as the pipeline starts its own
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Served(proc, f"http://127.0.0.1:{port}", log_path)

@@ -5,7 +5,7 @@ hits them alike; engine start included. The input is bench/vs_run_batch.py's, un
     python -m bench.allocator --rows 512 --rounds 2           # the figure
     python -m bench.allocator --rows 16 --rounds 1            # a quick check
 
-tcmalloc comes from Debian's libtcmalloc-minimal4 (``./dev allocators``); a setting whose library
+tcmalloc comes from Debian's libtcmalloc-minimal4 (``./dev setup`` installs it); a setting whose library
 is missing is reported and left out.
 """
 
@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from anex_pipeline.engine.cpu_preload import LIBRARIES, PRELOAD_ENV
+from anex_pipeline.engine.cpu_environment import LIBRARIES, PRELOAD_ENV
 from bench.vs_run_batch import make_input, output_tokens, run_ours
 
 SETTINGS = ["", "tcmalloc", "iomp", "tcmalloc,iomp"]
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = [s for s in SETTINGS if all(LIBRARIES[n]() for n in filter(None, s.split(",")))]
     for missing in sorted(set(SETTINGS) - set(settings)):
-        print(f"{PRELOAD_ENV}={missing}: a library is not installed (./dev allocators); left out")
+        print(f"{PRELOAD_ENV}={missing}: a library is not installed (./dev setup installs tcmalloc); left out")
     times: dict[str, list[float]] = {s: [] for s in settings}
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)

@@ -63,13 +63,23 @@ def output_tokens(path: Path) -> int:
     return total
 
 
-def run_peer(src: Path, out: Path, model: str) -> float:
+def answers(path: Path) -> dict[str, str]:
+    """Each row's answer text by custom_id."""
+    found = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        choices = ((row.get("response") or {}).get("body") or {}).get("choices") or [{}]
+        found[row["custom_id"]] = (choices[0].get("message") or {}).get("content")
+    return found
+
+
+def run_peer(src: Path, out: Path, model: str, env: dict[str, str] | None = None) -> float:
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out),
         "--model", model, "--served-model-name", DEFAULT_CHAT_MODEL, "--dtype", "float32", "--enforce-eager",
         "--gpu-memory-utilization", "0.3", "--max-model-len", "2048",
     ]  # fmt: skip
-    return _timed(command)[0]
+    return _timed(command, env)[0]
 
 
 def run_ours(
@@ -97,8 +107,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--unique", action="store_true", help="no repeated prompts: measures without answer reuse")
+    parser.add_argument(
+        "--peer-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable for run_batch's environment (e.g. the pipeline's CPU core setting), repeatable",
+    )
     args = parser.parse_args()
     model = local_model_path(DEFAULT_CHAT_MODEL)
+    peer_env = dict(item.split("=", 1) for item in args.peer_env)
     ratios = []
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
@@ -106,10 +124,12 @@ def main() -> None:
         make_input(src, args.rows, unique=args.unique)
         for pair in range(args.pairs):
             peer_out, our_out = tmp / f"peer{pair}.jsonl", tmp / f"ours{pair}.jsonl"
-            peer_s = run_peer(src, peer_out, model)
+            peer_s = run_peer(src, peer_out, model, peer_env)
             our_s, report = run_ours(src, our_out, tmp / f"work{pair}")  # a fresh work folder: no resumed rows
             peer_tok, our_tok = output_tokens(peer_out), output_tokens(our_out)
             ratios.append(our_s / peer_s)
+            theirs, mine = answers(peer_out), answers(our_out)
+            differing = sum(mine.get(key) != text for key, text in theirs.items())
             timings, usage = report["timings"], report["usage"]
             cached = usage["cached_prompt_tokens"] / max(1, usage["prompt_tokens"])
             engine_s = timings.get("engine_load", 0.0) + timings.get("generate", 0.0) + timings.get("estimate", 0.0)
@@ -118,7 +138,8 @@ def main() -> None:
                 f"anex-pipeline {our_s:.1f} s ({our_tok / our_s:.1f} out tok/s) | time ratio {our_s / peer_s:.2f}\n"
                 f"    ours: engine load + generation {engine_s:.1f} s, everything else "
                 f"{our_s - engine_s:.1f} s ({(our_s - engine_s) / our_s:.1%}); rows answered by an identical row "
-                f"{report['reused_answer_rows']}; prompt tokens from vLLM's prefix cache {cached:.0%}",
+                f"{report['reused_answer_rows']}; prompt tokens from vLLM's prefix cache {cached:.0%}; "
+                f"answers unlike run_batch's {differing} of {len(theirs)}",
                 flush=True,
             )
     kind = "unique" if args.unique else "with repeats"

@@ -217,20 +217,14 @@ def _terminate(state: ServerState, grace_s: float = 30.0) -> None:
 
 
 def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
-    from anex_pipeline.engine import cpu_preload
+    from anex_pipeline.engine import cpu_environment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = os.environ.get("LD_PRELOAD")
-    if cpu_build():
-        cpu_preload.preload()  # into this process's environment: the server inherits it
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-    if before is None:  # later processes started from here get the environment they had
-        os.environ.pop("LD_PRELOAD", None)
-    else:
-        os.environ["LD_PRELOAD"] = before
+    if cpu_build():
+        env.update(cpu_environment.engine_environment(settings.kv_cache_gib))
     log_path = folder / f"server-{port}.log"
     command = [sys.executable, "-m", DETACHED.decode(), str(folder), str(idle_s), *server_command(settings, port)]
     with log_path.open("ab") as log:

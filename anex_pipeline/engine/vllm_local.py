@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from anex_pipeline.engine import cpu_preload
+from anex_pipeline.engine import cpu_environment
 from anex_pipeline.engine.base import (
     EngineRequest,
     StopCheck,
@@ -143,8 +143,7 @@ class VllmLocalEngine:
         self.model_name = settings.model_name
         on_cpu = _cpu_build()
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-            cpu_preload.preload()
+            os.environ.update(cpu_environment.engine_environment(settings.kv_cache_gib))  # its processes inherit it
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
