@@ -102,6 +102,16 @@ def test_a_model_is_found_bundled_in_a_folder_or_in_the_hub_cache(
     assert "is a file" in (models.model_unavailable(str(tmp_path / "weights.bin")) or "")
 
 
+def test_a_misspelt_model_gets_the_nearest_known_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_cache_entry(tmp_path / "hf", "some-org/cached-model")
+    typo = models.model_unavailable("HuggingFaceTB/SmolLM2-135M-Instuct") or ""
+    assert "was not found (did you mean 'HuggingFaceTB/SmolLM2-135M-Instruct'?)" in typo
+    assert "did you mean 'some-org/cached-model'?" in (models.model_unavailable("some-org/cahced-model") or "")
+    assert "did you mean 'SmolLM2-135M-Instruct'?" in (models.model_unavailable("SmolLM2-135-Instruct") or "")
+    assert "did you mean" not in (models.model_unavailable("meta-llama/Llama-3.1-8B") or "x")
+
+
 def test_a_job_sent_to_a_model_server_does_not_look_for_its_model_here(
     tmp_path: Path, fake_runner: JobRunner, instance: Any
 ) -> None:

@@ -5,7 +5,7 @@
 # cannot be installed (no root, no apt) gets one line and goes on. Quiet when nothing is to do.
 set -uo pipefail
 
-ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && exit 0
+{ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && exit 0
 
 if [[ "$(id -u)" == 0 ]]; then
     as_root=()

@@ -17,6 +17,8 @@ transformers) are imported only inside the conversion, so importing this module 
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib.util
 import json
 import os
@@ -255,26 +257,36 @@ def model_unavailable(name: str | None) -> str | None:
         return None
     if path.exists():
         return f"model {name!r} is a file, not a model folder; name the folder that holds its config.json"
-    if name.startswith(("/", ".", "~")) or name.count("/") != 1:
-        return f"model {name!r} is neither a bundled model, a local folder nor a Hugging Face id like org/name"
-
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 
+    hint = _nearest_model(name, Path(constants.HF_HUB_CACHE))
+    if name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        return f"model {name!r} is neither a bundled model, a local folder nor a Hugging Face id like org/name{hint}"
     try:
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return None
     except HFValidationError:
-        return f"model {name!r} is neither a bundled model, a local folder nor a valid Hugging Face id"
+        return f"model {name!r} is neither a bundled model, a local folder nor a valid Hugging Face id{hint}"
     looked = f"not a bundled model, not a local folder, not in the Hugging Face cache at {constants.HF_HUB_CACHE}"
     fetch = f"; download it first (hf download {name}) or name a local folder"
     if hub_offline():
-        return f"model {name!r} was not found: {looked}, and the hub is offline (HF_HUB_OFFLINE is set){fetch}"
+        return f"model {name!r} was not found{hint}: {looked}, and the hub is offline (HF_HUB_OFFLINE is set){fetch}"
     try:
         HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S)
     except RepositoryNotFoundError:
         missing = "and the hub has none by that name; check its spelling (a private model needs a token: hf auth login)"
-        return f"model {name!r} was not found: {looked}, {missing}"
+        return f"model {name!r} was not found{hint}: {looked}, {missing}"
     except Exception as exc:  # no network, a timeout, the hub down: vLLM could not download it either
-        return f"model {name!r} was not found: {looked}, and the hub could not be reached ({exc}){fetch}"
+        return f"model {name!r} was not found{hint}: {looked}, and the hub could not be reached ({exc}){fetch}"
     return None
+
+
+def _nearest_model(name: str, hub_cache: Path) -> str:
+    """`` (did you mean 'X'?)`` for the bundled model or Hugging Face cache entry spelled most like
+    ``name``, or an empty string when none is close."""
+    known = [DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, _CHAT_SHORT_NAME, _EMBEDDING_SHORT_NAME]
+    with contextlib.suppress(OSError):  # entries are folders named models--org--name
+        known += [e.name[len("models--") :].replace("--", "/") for e in hub_cache.glob("models--*--*")]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]!r}?)" if close else ""
