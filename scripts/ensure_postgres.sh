@@ -12,24 +12,17 @@ have_initdb() {
 
 have_initdb && exit 0
 
-if [[ "$(id -u)" == 0 ]]; then
-    as_root=()
-elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-    as_root=(sudo -n)
-else
+# shellcheck source=scripts/apt_install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh"
+if ! apt_can_install; then
     echo "ensure_postgres: PostgreSQL is not installed, and installing it needs root (or" \
-        "password-less sudo). Install Debian's 'postgresql' package, then run this again." >&2
+        "password-less sudo) and apt-get. Install Debian's 'postgresql' package, then run this again." >&2
     exit 1
 fi
 
 echo "ensure_postgres: installing Debian's postgresql package (once) for the PostgreSQL instance tests" >&2
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
-# apt's chatter goes to a log that is shown only when something fails.
-if ! { "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
-    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends postgresql; } >"$log" 2>&1; then
-    cat "$log" >&2
+if ! apt_install postgresql; then
+    cat "$APT_LOG" >&2
     echo "ensure_postgres: installing the postgresql package failed (apt output above)" >&2
     exit 1
 fi

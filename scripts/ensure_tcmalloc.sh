@@ -7,19 +7,9 @@ set -uo pipefail
 
 { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && exit 0
 
-if [[ "$(id -u)" == 0 ]]; then
-    as_root=()
-elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-    as_root=(sudo -n)
-else
-    as_root=(false)
-fi
-
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
-if command -v apt-get >/dev/null 2>&1 &&
-    { "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
-        "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; } >"$log" 2>&1; then
+# shellcheck source=scripts/apt_install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh"
+if apt_can_install && apt_install libtcmalloc-minimal4; then
     echo "ensure_tcmalloc: installed Debian's libtcmalloc-minimal4 for vLLM's CPU engine" >&2
 else
     echo "ensure_tcmalloc: tcmalloc is not installed and could not be (needs root and apt-get);" \
