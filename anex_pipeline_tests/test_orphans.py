@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_all, kill_if_same, start_time
+from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_all, signal_if_same, start_time
 
 GUARDED = """
 import json, multiprocessing, os, subprocess, sys, time
@@ -90,9 +90,9 @@ def test_a_pid_that_now_names_another_process_is_spared() -> None:
     try:
         started = start_time(sleeper.pid)
         assert started is not None
-        assert not kill_if_same(sleeper.pid, started + 1)  # as if the pid had been given to a new process
+        assert not signal_if_same(sleeper.pid, started + 1, signal.SIGKILL)  # as if its pid were another's now
         assert sleeper.poll() is None
-        assert kill_if_same(sleeper.pid, started)
+        assert signal_if_same(sleeper.pid, started, signal.SIGKILL)
         assert sleeper.wait(timeout=5) == -signal.SIGKILL
     finally:
         sleeper.kill()
@@ -132,4 +132,4 @@ def test_the_shared_model_server_outlives_the_guarded_process_that_started_it(tm
     finally:
         guarded.kill()
         for pid, start in server.items():  # kill_all spares them, as the guard does
-            kill_if_same(pid, start)
+            signal_if_same(pid, start, signal.SIGKILL)

@@ -192,6 +192,6 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -
         return engine_for(config, manifest)
     from anex_pipeline.engine.machine_server import server_for
 
-    url = server_for(vllm_settings(config, manifest), idle_s)
-    shared = config.model_copy(update={"kind": "http", "base_url": url, "api_key": None})
+    server = server_for(vllm_settings(config, manifest), idle_s)
+    shared = config.model_copy(update={"kind": "http", "base_url": server.url, "api_key": server.token})
     return _http_engine(shared, manifest)

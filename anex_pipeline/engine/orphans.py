@@ -22,6 +22,7 @@ starts in a few tens of milliseconds and stays small.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -32,7 +33,8 @@ import threading
 SCAN_INTERVAL_S = 0.2
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 DETACHED = b"anex_pipeline.engine.machine_server"  # the shared model server's supervisor
-PPID, START = 1, 19  # fields of /proc/<pid>/stat, counted after the command name
+PPID, PGRP, START = 1, 2, 19  # fields of /proc/<pid>/stat, counted after the command name
+PIDFD_SIGNAL_PROCESS_GROUP = 4  # pidfd_send_signal flag (Linux 6.9): the group the process leads
 
 _lock = threading.Lock()
 _guard: subprocess.Popen[bytes] | None = None  # held so that Python does not warn of it running on
@@ -117,22 +119,38 @@ def descendants(root: int, known: dict[int, int] | None = None) -> dict[int, int
     stack = [root, *known]
     while stack:
         for child in children.get(stack.pop(), ()):
-            if child != me and child not in known and not _cmdline_has(child, DETACHED):
+            if child != me and child not in known and not cmdline_has(child, DETACHED):
                 known[child] = table[child][1]
                 stack.append(child)
     return known
 
 
-def kill_if_same(pid: int, start: int) -> bool:
-    """SIGKILLs ``pid`` if it is still the process that started at ``start``; returns whether it did."""
+def signal_if_same(pid: int, start: int, sig: int, *, group: bool = False) -> bool:
+    """Sends ``sig`` to ``pid`` only if it is still the process that started at ``start`` (with
+    ``group``, to the process group it leads); returns whether it did.
+
+    The one way the project signals a process it did not just start and still hold. A pid below
+    2 is refused: signalling pid 0 or its group hits the caller's own group, and group 1 is
+    ``kill(-1)``, every process the caller may signal. The process is pinned by a pidfd before
+    its start time is read, so its pid cannot pass to another process between the check and the
+    signal, and a group is signalled through that pidfd: the group of that very process, never
+    one that took its number later."""
+    if pid < 2:
+        return False
     try:
-        handle = os.pidfd_open(pid)  # from here on the pid cannot pass to another process
+        handle = os.pidfd_open(pid)
     except OSError:
         return False
     try:
-        if start_time(pid) != start:
+        fields = _stat(pid)
+        if fields is None or int(fields[START]) != start or (group and int(fields[PGRP]) != pid):
             return False
-        signal.pidfd_send_signal(handle, signal.SIGKILL)
+        try:
+            signal.pidfd_send_signal(handle, sig, None, PIDFD_SIGNAL_PROCESS_GROUP if group else 0)
+        except OSError as exc:
+            if not group or exc.errno != errno.EINVAL:
+                raise
+            os.killpg(pid, sig)  # a kernel before 6.9: the pinned leader still holds the group's number
         return True
     except OSError:
         return False
@@ -140,7 +158,7 @@ def kill_if_same(pid: int, start: int) -> bool:
         os.close(handle)
 
 
-def _cmdline_has(pid: int, marker: bytes) -> bool:
+def cmdline_has(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return marker in f.read()
@@ -154,7 +172,7 @@ def _detached(pid: int) -> bool:
     seen = set()
     while pid > 1 and pid not in seen:
         seen.add(pid)
-        if _cmdline_has(pid, DETACHED):
+        if cmdline_has(pid, DETACHED):
             return True
         fields = _stat(pid)
         if fields is None:
@@ -182,8 +200,8 @@ def kill_all(known: dict[int, int]) -> None:
     trackers, which end by themselves once the rest are gone, removing their shared memory, and
     the shared model server."""
     for pid, start in known.items():
-        if not _cmdline_has(pid, RESOURCE_TRACKER) and not _detached(pid):
-            kill_if_same(pid, start)
+        if not cmdline_has(pid, RESOURCE_TRACKER) and not _detached(pid):
+            signal_if_same(pid, start, signal.SIGKILL)
 
 
 if __name__ == "__main__":
