@@ -13,7 +13,15 @@ import time
 import uuid
 from pathlib import Path
 
-from anex_pipeline.engine.orphans import RESOURCE_TRACKER, descendants, kill_all, signal_if_same, start_time
+from anex_pipeline.engine.orphans import (
+    RESOURCE_TRACKER,
+    descendants,
+    kill_all,
+    running,
+    signal_child_group,
+    signal_if_same,
+    start_time,
+)
 
 GUARDED = """
 import json, multiprocessing, os, subprocess, sys, time
@@ -96,6 +104,29 @@ def test_a_pid_that_now_names_another_process_is_spared() -> None:
         assert sleeper.wait(timeout=5) == -signal.SIGKILL
     finally:
         sleeper.kill()
+
+
+def test_a_group_is_signalled_only_through_the_leader_it_was_recorded_with() -> None:
+    leader = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)  # a group of two
+    member = subprocess.Popen(["sleep", "600"])  # in the test's group, led by someone else
+    try:
+        wait_until(lambda: len(descendants(leader.pid)) == 1, 5, "the group's second process did not start")
+        [(child, child_start)] = descendants(leader.pid).items()
+        started = start_time(leader.pid)
+        assert started is not None
+        assert not signal_if_same(leader.pid, started + 1, signal.SIGKILL, group=True)
+        assert not signal_if_same(member.pid, start_time(member.pid) or 0, signal.SIGKILL, group=True), "no leader"
+        assert not signal_if_same(child, child_start, signal.SIGKILL, group=True), "a member leads no group"
+        assert leader.poll() is None and member.poll() is None and running(child, child_start)
+        assert signal_child_group(leader, signal.SIGKILL)
+        assert leader.wait(timeout=5) == -signal.SIGKILL
+        wait_until(lambda: not running(child, child_start), 5, "the group's other process lives on")
+        assert not signal_child_group(leader, signal.SIGKILL), "a reaped child's pid may be another's"
+        assert member.poll() is None
+    finally:
+        leader.kill()
+        member.kill()
+        member.wait()
 
 
 GUARDED_WITH_SERVER = """

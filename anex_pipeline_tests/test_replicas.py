@@ -7,7 +7,6 @@ two real ``vllm serve`` replicas and kills one (SIGKILL to its process group) in
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import threading
@@ -21,6 +20,7 @@ import pytest
 from anex_pipeline.cli import main
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline.engine.replicas import ServersDown, server_urls
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
@@ -180,7 +180,7 @@ def test_two_replicas_share_a_job_and_killing_one_mid_job_loses_no_row(tmp_path:
             while finished_requests(killed.url) < 4:  # the replica has served rows of the job
                 assert job.is_alive() and time.monotonic() < deadline, "the second replica served no row"
                 time.sleep(0.2)
-            os.killpg(killed.proc.pid, signal.SIGKILL)  # the replica and its engine process, at once
+            assert signal_child_group(killed.proc, signal.SIGKILL)  # the replica and its engine process, at once
             killed.proc.wait(timeout=30)
             job.join(timeout=600)
             assert not job.is_alive()

@@ -19,6 +19,7 @@ from typing import IO
 
 import pytest
 
+from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -106,7 +107,7 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
     first = start(args, tmp_path / "dagster_home")
     err = Lines(first.stderr)  # type: ignore[arg-type]
     err.wait_for(r"\[anex\] [1-9]\d*/\d+ rows", timeout=400)  # rows are finishing
-    os.killpg(first.pid, signal.SIGINT)
+    assert signal_child_group(first, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
     asked = time.monotonic()
     stdout = first.stdout.read()  # type: ignore[union-attr]
     code = first.wait(timeout=60)
@@ -180,7 +181,7 @@ class Served:
 
     def terminate(self, timeout: float) -> float:
         """SIGTERM to the whole process group; returns how long the process took to end."""
-        os.killpg(self.process.pid, signal.SIGTERM)
+        assert signal_child_group(self.process, signal.SIGTERM)
         asked = time.monotonic()
         self.process.wait(timeout=timeout + 30)
         return time.monotonic() - asked

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
+from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
 
 LOCATION_QUERY = """
@@ -116,7 +117,7 @@ def serving(root: Path, workspace: Path, **extra_env: str) -> Iterator[Webserver
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # the session it was started in, and nothing else
+            signal_child_group(server, signal.SIGKILL)  # the session it was started in, and nothing else
             server.wait(timeout=30)
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from anex_pipeline.engine.cpu_environment import engine_environment
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.orphans import signal_child_group
 
 START_TIMEOUT_S = 300.0
 
@@ -103,11 +104,9 @@ def vllm_servers(log_dir: Path, count: int) -> Iterator[list[Served]]:
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """Stops the process and the workers it started (its own process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    signal_child_group(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_child_group(proc, signal.SIGKILL)
         proc.wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
+from anex_pipeline.engine.orphans import signal_child_group
 from bench.vs_run_batch import make_input
 
 KEYS = ["sk-bench-alice-0123456789", "sk-bench-bob-0123456789", "sk-bench-carol-0123456789"]
@@ -131,7 +133,7 @@ def main() -> None:
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+                signal_child_group(proc, signal.SIGKILL)
                 proc.wait()
     m1, m3 = statistics.median(one), statistics.median(three)
     print(f"rows per batch {args.rows}; median one batch {m1:.2f} s; three together {m3:.2f} s; ratio {m3 / m1:.2f}")

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from anex_pipeline.engine.orphans import signal_child_group
 from bench.vs_run_batch import make_input
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def main() -> None:
             print(f"pair {n}: cli {cli[-1]:.1f} s, inbox {inbox[-1]:.1f} s; runs (created, started, ended):")
             print("\n".join(timeline(uploaded)), flush=True)
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
+        signal_child_group(daemon, signal.SIGTERM)
         daemon.wait(timeout=60)
         stop_server()
     cli_s, inbox_s = statistics.median(cli), statistics.median(inbox)

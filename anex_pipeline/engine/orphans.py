@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 SCAN_INTERVAL_S = 0.2
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
@@ -156,6 +157,15 @@ def signal_if_same(pid: int, start: int, sig: int, *, group: bool = False) -> bo
         return False
     finally:
         os.close(handle)
+
+
+def signal_child_group(child: subprocess.Popen[Any], sig: int) -> bool:
+    """Sends ``sig`` to the process group that a child of this process leads (one started with
+    ``start_new_session``) through :func:`signal_if_same`, as long as the child has not been
+    reaped: until then its pid, and so the group's number, cannot be another's. Returns whether
+    it did."""
+    start = None if child.returncode is not None else start_time(child.pid)
+    return start is not None and signal_if_same(child.pid, start, sig, group=True)
 
 
 def cmdline_has(pid: int, marker: bytes) -> bool:
