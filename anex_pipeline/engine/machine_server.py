@@ -144,8 +144,8 @@ def read_state(folder: Path) -> ServerState | None:
     module wrote (fields missing or of the wrong type, pids below 2, a port out of range): such
     a state is no state, and the next step replaces it. A state folder or file that another
     user owns or may write is refused (:class:`UnsafeStateFolder`)."""
-    private_folder(folder)
     try:
+        _check_private(folder, "state folder", os.stat(folder))
         fd = os.open(folder / "state.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
