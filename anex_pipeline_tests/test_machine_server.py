@@ -373,6 +373,7 @@ def test_a_forged_state_pointing_at_another_loopback_port_is_not_used(
     sleep = [sys.executable, "-c", "import time; time.sleep(600)", machine_server.DETACHED.decode()]
     named = subprocess.Popen(sleep, start_new_session=True)
     try:
+        wait_until(lambda: cmdline_has(named.pid, machine_server.DETACHED), "its command line never showed", 10)
         settings = settings_of("a")
         port = other_program.server_address[1]
         started = start_time(named.pid)

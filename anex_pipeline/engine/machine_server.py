@@ -389,6 +389,9 @@ def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
             start_new_session=True,  # its own group: no Ctrl-C or stop of this step reaches it
             close_fds=True,
         )
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while not cmdline_has(proc.pid, DETACHED) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # its command line shows only once its program runs: until then it is not alive()
     state = ServerState(
         proc.pid, start_time(proc.pid) or 0, os.getpgid(proc.pid), port, key, settings.model_name, str(log_path), token
     )
