@@ -363,7 +363,8 @@ def _terminate(state: ServerState, grace_s: float = 30.0) -> None:
         deadline = time.monotonic() + grace_s
         while alive(state) and time.monotonic() < deadline:
             time.sleep(0.1)
-        signal_if_same(state.group, state.start, signal.SIGKILL, group=True)
+        if alive(state):  # once it has ended, its guard ends the rest and spares the resource tracker
+            signal_if_same(state.group, state.start, signal.SIGKILL, group=True)
     kill_all(dict(state.processes))  # spares multiprocessing's resource tracker: it cleans up and ends
 
 
