@@ -283,6 +283,8 @@ def test_pids_0_and_1_in_a_state_are_refused_without_a_signal(server_dir: Path) 
         {"pid": "abc"},
         {"port": "x"},
         {"pid": True, "group": True},
+        {"pid": 2**40, "group": 2**40},
+        {"processes": [[2**40, 1]]},
         {"start": 1.5},
         {"processes": [["1", 2]]},
         {"processes": {"5": 1}},

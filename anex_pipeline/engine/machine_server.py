@@ -54,6 +54,7 @@ from anex_pipeline.engine import EngineLoadFailed, progress
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
 from anex_pipeline.engine.orphans import (
     DETACHED,
+    PID_MAX,
     cmdline_has,
     descendants,
     guard_descendants,
@@ -165,11 +166,12 @@ def read_state(folder: Path) -> ServerState | None:
         return None
     processes = raw["processes"]
     if not isinstance(processes, list) or not all(
-        isinstance(p, list) and len(p) == 2 and all(type(n) is int for n in p) and p[0] > 1 for p in processes
+        isinstance(p, list) and len(p) == 2 and all(type(n) is int for n in p) and 1 < p[0] <= PID_MAX
+        for p in processes
     ):
         return None
     state = ServerState(**{name: raw[name] for name in _TYPES}, processes=tuple((p[0], p[1]) for p in processes))
-    if state.pid < 2 or state.group != state.pid or not 0 < state.port < 65536 or not state.token:
+    if not 1 < state.pid <= PID_MAX or state.group != state.pid or not 0 < state.port < 65536 or not state.token:
         return None
     return state
 

@@ -18,6 +18,10 @@ with everything under it: it is meant to outlive the process that started it.
 
 The guard is this file run as a script in an isolated interpreter (standard library only), so it
 starts in a few tens of milliseconds and stays small.
+
+:func:`signal_if_same` is the one way the project signals a process it did not just start: by
+pid and start time, through a pidfd. :func:`signal_child_group` is its form for the process group
+of a child still held as a ``Popen``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 DETACHED = b"anex_pipeline.engine.machine_server"  # the shared model server's supervisor
 PPID, PGRP, START = 1, 2, 19  # fields of /proc/<pid>/stat, counted after the command name
 PIDFD_SIGNAL_PROCESS_GROUP = 4  # pidfd_send_signal flag (Linux 6.9): the group the process leads
+PID_MAX = 1 << 22  # the kernel's largest pid_max
 
 _lock = threading.Lock()
 _guard: subprocess.Popen[bytes] | None = None  # held so that Python does not warn of it running on
@@ -136,7 +141,7 @@ def signal_if_same(pid: int, start: int, sig: int, *, group: bool = False) -> bo
     its start time is read, so its pid cannot pass to another process between the check and the
     signal, and a group is signalled through that pidfd: the group of that very process, never
     one that took its number later."""
-    if pid < 2:
+    if not 1 < pid <= PID_MAX:
         return False
     try:
         handle = os.pidfd_open(pid)
