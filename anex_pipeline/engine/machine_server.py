@@ -156,6 +156,8 @@ def read_state(folder: Path) -> ServerState | None:
             return None
         _check_private(folder / "state.json", "state file", st)
         text = f.read(STATE_MAX_BYTES + 1)
+    if len(text) > STATE_MAX_BYTES:
+        return None
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError):
