@@ -309,7 +309,8 @@ def test_a_state_with_wrong_fields_or_types_counts_as_no_state(
 
 def test_an_unreadable_state_counts_as_no_state(server_dir: Path) -> None:
     forge_state(server_dir)
-    for text in ("[1, 2]", "{", "[" * 100_000, ""):
+    valid = (server_dir / "state.json").read_text(encoding="utf-8")
+    for text in ("[1, 2]", "{", "[" * 100_000, "", valid + " " * (1 << 20)):
         (server_dir / "state.json").write_text(text, encoding="utf-8")
         assert read_state(server_dir) is None
 
