@@ -216,14 +216,21 @@ def test_a_state_naming_an_unrelated_group_leader_signals_nothing_of_it(
         assert not (server_dir / "state.json").exists(), "and the state that named it is gone"
 
 
-def test_a_dead_supervisors_strays_are_ended_by_pid_and_start_time(server_dir: Path, leader: tuple[int, int]) -> None:
+@pytest.mark.parametrize("finder", ["the next step", "machine-server stop"])
+def test_a_dead_supervisors_strays_are_ended_by_pid_and_start_time(
+    server_dir: Path, fake_servers: Path, leader: tuple[int, int], finder: str
+) -> None:
     stray = subprocess.Popen(["sleep", "600"], start_new_session=True)  # as vLLM's engine would be
     try:
         stray_start = start_time(stray.pid)
         pid, started = leader
         processes = [[stray.pid, stray_start], [pid, started + 1]]  # the second is no longer the one recorded
         forge_state(server_dir, pid=pid, start=started + 1, group=pid, processes=processes)
-        stop_server(server_dir)
+        if finder == "the next step":
+            assert server_for(settings_of("a"), folder=server_dir).pid not in (pid, stray.pid)
+        else:
+            assert cli_main(["machine-server", "stop"]) == 0
+            assert not (server_dir / "state.json").exists()
         assert stray.wait(timeout=10) == -signal.SIGKILL, "the stray the state recorded was ended"
         assert running(pid, started), "the process that reused a recorded pid was spared"
     finally:

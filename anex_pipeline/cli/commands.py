@@ -414,11 +414,13 @@ def cmd_machine_server(args: argparse.Namespace) -> int:
 
     folder = state_dir()
     state = read_state(folder)
-    if state is None or not alive(state):
+    running = state is not None and alive(state)
+    if args.action == "stop" and state is not None:
+        stop_server(folder)  # a dead supervisor's state goes too, with what its server left running
+    if state is None or not running:
         print(f"no model server runs from {folder}", file=sys.stderr)
         return ExitCode.OK
     if args.action == "stop":
-        stop_server(folder)
         print(f"stopped the model server for {state.model_name} at {state.url}", file=sys.stderr)
     else:
         print(f"{state.model_name} at {state.url} (supervisor pid {state.pid}, log {state.log})")
