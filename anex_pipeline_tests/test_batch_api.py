@@ -24,7 +24,9 @@ import uvicorn
 from openai import OpenAI
 from openai.types import Batch
 
+from anex_pipeline import cli
 from anex_pipeline.batch_api.app import create_app
+from anex_pipeline.batch_api.requests import MAX_OPTIONS_BYTES, MAX_SYSTEM_PROMPT_BYTES
 from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
@@ -475,3 +477,109 @@ def test_serve_reads_the_operators_media_policy(tmp_path: Path) -> None:
     assert _media_policy(args) == MediaOptions(allowed_hosts=["images.internal", "10.0.0.7:9000"], max_bytes=5000)
     with pytest.raises(UsageError, match="max_byte"):
         _media_policy(build_parser().parse_args(["serve", "--media", '{"max_byte": 5}']))
+
+
+def create_raw(url: str, body: dict[str, Any], key: str = KEY_A) -> httpx.Response:
+    """``POST /v1/batches`` with this body, as plain HTTP."""
+    return httpx.post(f"{url}/batches", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_only_the_operators_models_are_served(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """A model outside the operator's list gets one refusal, whatever it names on the server: no
+    answer tells an existing file, folder or unreadable folder from a missing one."""
+    own = tmp_path / "models" / "house-model"
+    own.mkdir(parents=True)
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    probes = ["/etc/passwd", "/nonexistent/dir", "/root/.ssh", "/etc", str(tmp_path / "models"), "gpt-4o-mini"]
+    with serving(fake_runner, models=["SmolLM2-135M-Instruct", str(own)]) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        with src.open("rb") as f:
+            file_id = alice.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for where, param in (
+            (lambda m: {"model": m}, "model"),
+            (lambda m: {"anex_options": {"model": m}}, "anex_options.model"),
+            (lambda m: {"metadata": {"anex_options": json.dumps({"model": m})}}, "anex_options.model"),
+        ):
+            answers = [create_raw(url, {**base, **where(m)}) for m in probes]
+            assert {a.status_code for a in answers} == {400}
+            assert len({a.text for a in answers}) == 1, [a.text for a in answers]  # byte for byte the same
+            error = answers[0].json()["error"]
+            assert (error["param"], error["code"]) == (param, "model_not_found")
+            assert str(own) in error["message"] and "SmolLM2-135M-Instruct" in error["message"]
+        assert alice.batches.list().data == []  # nothing was created
+        default = wait(alice, alice.batches.create(**base).id)  # no model: the first listed
+        assert default.status == "completed" and default.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        with src.open("rb") as f:
+            bobs = bob.files.create(file=f, purpose="batch").id
+        chosen = wait(bob, create_raw(url, {**base, "input_file_id": bobs, "model": str(own)}, KEY_B).json()["id"])
+        assert chosen.status == "completed" and chosen.model == str(own)
+
+
+def test_without_a_model_list_only_the_default_models_are_served(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            file_id = sdk.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        answers = [create_raw(url, {**base, "model": m}) for m in ("/etc", "/nonexistent/dir", "/etc/passwd")]
+        assert [a.status_code for a in answers] == [400] * 3 and len({a.text for a in answers}) == 1
+        named = create_raw(url, {**base, "model": "smollm2-135m-instruct"})
+        assert named.status_code == 200, named.text
+        assert wait(sdk, named.json()["id"]).status == "completed"
+
+
+def test_serve_takes_the_operators_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--model", "SmolLM2-135M-Instruct", "--model", str(tmp_path)])
+    assert args.models == ["SmolLM2-135M-Instruct", str(tmp_path)]
+    missing = str(tmp_path / "no-such-model")
+    assert cli.main(["serve", "--model", missing, "--work-dir", str(tmp_path / "work")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --model: ") and missing in line
+
+
+def test_a_listing_limit_that_is_not_a_number_in_range_is_a_400(fake_runner: JobRunner) -> None:
+    with serving(fake_runner) as url:
+        for path, most in (("files", 10_000), ("batches", 100)):
+            for limit in ("²", "١٢", "0", str(most + 1), "-1", "1.5", ""):
+                answer = httpx.get(
+                    f"{url}/{path}", params={"limit": limit}, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=10
+                )
+                assert answer.status_code == 400, (path, limit, answer.text)
+                error = answer.json()["error"]
+                assert error["param"] == "limit" and f"from 1 to {most}" in error["message"], error
+
+
+def test_job_options_over_the_services_limits_are_a_400(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            file_id = sdk.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for options, param, code in (
+            (
+                {"system_prompt": "x" * (MAX_SYSTEM_PROMPT_BYTES + 1)},
+                "anex_options.system_prompt",
+                "string_above_max_length",
+            ),
+            (
+                {"system_prompt": "é" * (MAX_SYSTEM_PROMPT_BYTES // 2 + 1)},
+                "anex_options.system_prompt",
+                "string_above_max_length",
+            ),
+            ({"stop": ["s" * 1000] * (MAX_OPTIONS_BYTES // 1000)}, "anex_options", "invalid_value"),
+        ):
+            answer = create_raw(url, {**base, "anex_options": options})
+            assert answer.status_code == 400, answer.text[:300]
+            error = answer.json()["error"]
+            assert (error["param"], error["code"]) == (param, code), error
+            limit = MAX_SYSTEM_PROMPT_BYTES if param.endswith("system_prompt") else MAX_OPTIONS_BYTES
+            assert f"{limit:,}" in error["message"], error
+        assert sdk.batches.list().data == []
+        at_limit = create_raw(
+            url, {**base, "anex_options": {"system_prompt": "x" * MAX_SYSTEM_PROMPT_BYTES, "max_tokens": 4}}
+        )
+        assert at_limit.status_code == 200, at_limit.text[:300]
+        assert wait(sdk, at_limit.json()["id"]).status == "completed"
