@@ -27,10 +27,12 @@ from openai.types import Batch
 from anex_pipeline import cli
 from anex_pipeline.batch_api.app import create_app
 from anex_pipeline.batch_api.requests import MAX_OPTIONS_BYTES, MAX_SYSTEM_PROMPT_BYTES
+from anex_pipeline.batch_api.store import Store
 from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
+from anex_pipeline.stages import submit as submit_stage
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.fakes import fake_engine
@@ -583,3 +585,51 @@ def test_job_options_over_the_services_limits_are_a_400(tmp_path: Path, fake_run
         )
         assert at_limit.status_code == 200, at_limit.text[:300]
         assert wait(sdk, at_limit.json()["id"]).status == "completed"
+
+
+@pytest.fixture
+def endless_check(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Makes every input check endless (its rows come round again and again, as in a check that
+    takes hours); the event is set once a check has begun."""
+    begun = threading.Event()
+    real = submit_stage.read_input
+
+    def endless(path: Path, options: Any) -> tuple[Any, Any, Iterator[Any]]:
+        kind, endpoint, chunks = real(path, options)
+        first = list(chunks)
+
+        def again() -> Iterator[Any]:
+            begun.set()
+            while True:
+                yield from first
+                time.sleep(0.01)
+
+        return kind, endpoint, again()
+
+    monkeypatch.setattr(submit_stage, "read_input", endless)
+    return begun
+
+
+def test_a_cancel_or_a_stop_cuts_the_check_short(
+    tmp_path: Path, fake_runner: JobRunner, endless_check: threading.Event
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    work = Path(fake_runner.storage.work_root)
+    with serving(fake_runner) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        first = submit(alice, src, {"max_tokens": 8})
+        assert endless_check.wait(30), "the check never began"
+        assert alice.batches.retrieve(first.id).status == "validating"
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.cancel(first.id)
+        assert alice.batches.cancel(first.id).status == "cancelling"
+        cancelled = wait(alice, first.id, timeout=10)
+        assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+        assert not [p for p in work.iterdir() if p.name.startswith(first.id)]  # the check kept nothing
+        endless_check.clear()
+        second = submit(bob, src, {"max_tokens": 4})
+        assert endless_check.wait(30), "the second check never began"
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 10, "closing waited for the check"
+    stored = Store(fake_runner.instance, work).batch(second.id)
+    assert stored is not None and stored.status == "validating"  # the next start checks it again

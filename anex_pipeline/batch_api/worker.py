@@ -35,7 +35,7 @@ from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
+from anex_pipeline.stopping import JobStopped, clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger("anex_pipeline.batch_api")
@@ -63,7 +63,8 @@ class BatchWorker:
         self._closing = threading.Event()
         self._running: dict[str, JobDir] = {}  # batch id -> its job, while it generates
         self._models: Counter[str] = Counter()  # model -> batches running it
-        self._turn = threading.Condition()  # guards both
+        self._checking: dict[str, threading.Event] = {}  # batch id -> set to cut its check short
+        self._turn = threading.Condition()  # guards the three
         self._checkers = [
             threading.Thread(target=self._loop, args=(self._checks, self._check), name=f"batch-check-{n}", daemon=True)
             for n in range(max_running)
@@ -105,6 +106,8 @@ class BatchWorker:
         self._closing.set()
         with self._turn:
             running = list(self._running.values())
+            for cut in self._checking.values():
+                cut.set()
             self._turn.notify_all()
         for job in running:
             request_stop(job, SERVICE_STOPPED)
@@ -113,12 +116,16 @@ class BatchWorker:
         (self._checks if record.job_id is None else self._runs).put(record.id)
 
     def cancel(self, record: BatchRecord) -> BatchRecord:
-        """Marks the batch cancelling and asks its job (if it has one yet) to stop."""
+        """Marks the batch cancelling and asks its job (if it has one yet) to stop, or its check
+        (if it is being checked) to end."""
         if record.finished or record.cancelling_at is not None:
             return record
         record = self.store.update_batch(record.id, cancelling_at=now())
         if record.job_id is not None:
             request_stop(self.runner.storage.job(record.job_id), CANCELLED)
+        with self._turn:
+            if (cut := self._checking.get(record.id)) is not None:
+                cut.set()
         return record
 
     # -- what a batch shows while it runs --------------------------------------------------------
@@ -167,16 +174,37 @@ class BatchWorker:
                 self._fail(batch_id, f"the batch could not be run: {exc}")
 
     def _check(self, batch_id: str) -> None:
+        cut = threading.Event()
+        with self._turn:  # before the record is read: a cancel from now on reaches the check
+            self._checking[batch_id] = cut
+        try:
+            self._check_input(batch_id, cut)
+        finally:
+            with self._turn:
+                del self._checking[batch_id]
+
+    def _check_input(self, batch_id: str, cut: threading.Event) -> None:
+        """Checks the batch's input as a job; a cancel (or the service closing) ends the check
+        between two chunks of rows: the batch is then cancelled (or checked again at the next start)."""
         record = self.store.batch(batch_id)
         if record is None or record.finished:
             return
         if record.cancelling_at is not None:
             self.store.update_batch(batch_id, cancelled_at=now())
             return
+
+        def stop() -> None:
+            if cut.is_set():
+                raise JobStopped(SERVICE_STOPPED if self._closing.is_set() else CANCELLED)
+
         try:
             job = self.runner.submit(
-                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options
+                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options, stop=stop
             )
+        except JobStopped:
+            if not self._closing.is_set():
+                self.store.update_batch(batch_id, cancelled_at=now())
+            return
         except JobRejected as exc:
             errors = [
                 BatchError(code=p.code, message=p.message, param=p.field, line=p.line)
