@@ -6,12 +6,13 @@ model through real vLLM and compares it with the same input run directly through
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -633,3 +634,71 @@ def test_a_cancel_or_a_stop_cuts_the_check_short(
     assert time.monotonic() - closing < 10, "closing waited for the check"
     stored = Store(fake_runner.instance, work).batch(second.id)
     assert stored is not None and stored.status == "validating"  # the next start checks it again
+
+
+def race(*calls: Callable[[], httpx.Response]) -> list[httpx.Response]:
+    """The calls made at the same moment from threads of their own (a barrier lets them go)."""
+    barrier = threading.Barrier(len(calls))
+    answers: list[httpx.Response | None] = [None] * len(calls)
+
+    def go(n: int) -> None:
+        barrier.wait(timeout=30)
+        answers[n] = calls[n]()
+
+    threads = [threading.Thread(target=go, args=(n,)) for n in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(a is not None for a in answers), "a call did not return"
+    return answers  # type: ignore[return-value]
+
+
+def test_a_batch_made_from_a_file_and_a_delete_of_it_never_both_succeed(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("big", "x" * 2_000_000)])  # its copy takes a while
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    outcomes = []
+    with serving(fake_runner) as url, httpx.Client(headers=headers, timeout=60) as http:
+        sdk = client(url)
+        for _ in range(20):
+            with src.open("rb") as f:
+                file_id = sdk.files.create(file=f, purpose="batch").id
+            body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            created, deleted = race(
+                functools.partial(http.post, f"{url}/batches", json=body),
+                functools.partial(http.delete, f"{url}/files/{file_id}"),
+            )
+            outcomes.append((created.status_code, deleted.status_code))
+            assert outcomes[-1] in {(200, 400), (404, 200)}, (created.text, deleted.text)
+            if created.status_code == 200:
+                sdk.batches.cancel(created.json()["id"])
+                assert "is the input of batch" in deleted.json()["error"]["message"]
+            else:
+                assert all(b.input_file_id != file_id for b in sdk.batches.list())
+
+
+def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
+    tmp_path: Path, fake_runner: JobRunner
+) -> None:
+    work = Path(fake_runner.storage.work_root)
+    headers = {"Authorization": f"Bearer {KEY_B}"}
+    with serving(fake_runner) as url, httpx.Client(timeout=60) as http:
+        bob = client(url, KEY_B)
+        made = []
+        for key in range(5):
+            body = {
+                "endpoint": "/v1/chat/completions",
+                "requests": [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": f"hi {key}"}]}}],
+                "anex_options": {"max_tokens": 4},
+            }
+            sent = {**headers, "Idempotency-Key": f"key-{key}"}
+            answers = race(*[functools.partial(http.post, f"{url}/batches", json=body, headers=sent)] * 6)
+            assert {a.status_code for a in answers} == {200}, [a.text for a in answers]
+            ids = {a.json()["id"] for a in answers}
+            assert len(ids) == 1, ids
+            made.append(ids.pop())
+        done = [wait(bob, batch_id) for batch_id in made]
+        inputs = [f.id for f in bob.files.list(purpose="batch")]
+        assert sorted(inputs) == sorted(b.input_file_id for b in done)  # one input per batch, no other
+        stored = {p.name for p in (work / "batch-api" / "files").iterdir()}
+        assert stored == {f.id for f in bob.files.list()}  # no bytes without a record either

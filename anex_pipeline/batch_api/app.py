@@ -29,6 +29,7 @@ from anex_pipeline.batch_api.objects import (
     ApiError,
     BatchRecord,
     CreateBatch,
+    FileRecord,
     new_id,
     not_found,
     now,
@@ -123,16 +124,17 @@ class BatchApi:
 
     async def delete_file(self, request: Request) -> Response:
         def delete() -> dict[str, Any]:
-            record = self._file(request)
-            if (batch := self.store.in_use(record.id)) is not None:
-                raise ApiError(
-                    400,
-                    f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it once "
-                    "the batch has finished, or cancel the batch.",
-                    param="file_id",
-                )
-            runner = self.worker.runner
-            forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
+            with self.store.inputs:  # no batch is made from the file between the check and the removal
+                record = self._file(request)
+                if (batch := self.store.in_use(record.id)) is not None:
+                    raise ApiError(
+                        400,
+                        f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it "
+                        "once the batch has finished, or cancel the batch.",
+                        param="file_id",
+                    )
+                runner = self.worker.runner
+                forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
             return {"id": record.id, "object": "file", "deleted": True}
 
         return JSONResponse(await run_in_threadpool(delete))
@@ -178,17 +180,8 @@ class BatchApi:
             return earlier
         options = batch_options(body, self.media, self.models)
         batch_id = new_id("batch_")
-        if body.requests is not None:
-            input_file_id = self._embedded_input(owner, batch_id, body)
-        else:
-            input_file_id = body.input_file_id or ""
-            found = self.store.file(owner, input_file_id)
-            if found is None:
-                raise not_found("file", input_file_id)
-            if found.purpose != "batch":
-                raise ApiError(
-                    400, f"File {input_file_id} is a {found.purpose} file, not a batch input.", param="input_file_id"
-                )
+        embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
+        input_file_id = embedded.id if embedded is not None else body.input_file_id or ""
         record = BatchRecord(
             id=batch_id,
             owner=owner,
@@ -202,18 +195,40 @@ class BatchApi:
             embedded=body.requests is not None,
             output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
         )
-        stored = self.store.add_batch(record, idempotency_key)
+        try:
+            stored = self._register(owner, record, idempotency_key)
+        except BaseException:
+            if embedded is not None:
+                self.store.remove_file(embedded)
+            raise
         if stored.id == batch_id:
             self.worker.enqueue(stored)
+        elif embedded is not None:  # the batch made earlier with this idempotency key has its own input
+            self.store.remove_file(embedded)
         return stored
 
-    def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> str:
+    def _register(self, owner: str, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
+        """Registers the batch if its input file is there (and no batch was made earlier with the
+        idempotency key); a delete of the file waits until the batch has its own copy."""
+        with self.store.inputs:
+            found = self.store.file(owner, record.input_file_id)
+            if found is None:
+                raise not_found("file", record.input_file_id)
+            if found.purpose != "batch":
+                raise ApiError(
+                    400,
+                    f"File {record.input_file_id} is a {found.purpose} file, not a batch input.",
+                    param="input_file_id",
+                )
+            return self.store.add_batch(record, idempotency_key)
+
+    def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> FileRecord:
         """Writes embedded requests as a batch input file (requests[N] is line N+1 in its errors)."""
         if not body.requests:
             raise ApiError(400, "'requests' must hold at least one {custom_id, body} item.", param="requests")
         lines = [json.dumps({"method": "POST", "url": body.endpoint, **item}) + "\n" for item in body.requests]
         data = io.BytesIO("".join(lines).encode("utf-8"))
-        return self.store.add_file(owner, f"{batch_id}_requests.jsonl", "batch", data).id
+        return self.store.add_file(owner, f"{batch_id}_requests.jsonl", "batch", data)
 
     async def retrieve_batch(self, request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(lambda: self.show(self._batch(request), with_results=True)))
