@@ -9,7 +9,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -702,3 +707,103 @@ def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
         assert sorted(inputs) == sorted(b.input_file_id for b in done)  # one input per batch, no other
         stored = {p.name for p in (work / "batch-api" / "files").iterdir()}
         assert stored == {f.id for f in bob.files.list()}  # no bytes without a record either
+
+
+@contextmanager
+def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``anex-pipeline serve`` on the slow fake engine in a process (and process group) of its
+    own, on a free loopback port, with both tenants' keys; yields the process and the SDK's
+    base_url once it answers. Its output goes to files, so no unread pipe can fill and stall it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "dagster_home"
+    home.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "ANEX_BATCH_API_KEYS": f"{KEY_A},{KEY_B}",
+        "ANEX_FAKE_ROW_DELAY_S": "0.1",
+        "NO_PROXY": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
+    with (tmp_path / "serve.log").open("ab") as log:
+        process = subprocess.Popen(
+            [*command, "--work-dir", str(tmp_path / "work")],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "serve did not start"
+            try:
+                httpx.get(f"{url}/batches", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=5)
+                break
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+
+
+def test_after_a_sigkilled_serve_a_lost_job_breaks_no_listing_and_its_batch_comes_back(tmp_path: Path) -> None:
+    """serve is SIGKILLed while two of Alice's batches generate, then their jobs' folders are
+    removed (by hand, say) and one batch's own input copy too. On the next start both tenants'
+    listings answer; the batch with its input copy runs again from the start to the end, the other
+    fails with a line that names no path of the server."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(30))
+    work = tmp_path / "work"
+    with serve_process(tmp_path) as (process, url):
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        bobs = wait(bob, submit(bob, src, {"max_tokens": 4, "checkpoint_rows": 2}).id)
+        kept = submit(alice, src, {"max_tokens": 8, "checkpoint_rows": 2})
+        lost = submit(alice, src, {"max_tokens": 16, "checkpoint_rows": 2})
+        for batch in (kept, lost):
+            wait_for_rows(alice, batch.id, 2)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    for batch in (kept, lost):
+        (job,) = [p for p in work.iterdir() if p.name.startswith(batch.id)]
+        shutil.rmtree(job)
+    (work / "batch-api" / "batches" / f"{lost.id}.jsonl").unlink()
+    with serve_process(tmp_path) as (_, url):
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        assert [b.id for b in alice.batches.list().data] == [lost.id, kept.id]
+        assert [(b.id, b.status) for b in bob.batches.list().data] == [(bobs.id, "completed")]
+        failed = wait(alice, lost.id)
+        assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+        (error,) = failed.errors.data
+        assert error.code == "job_failed" and str(tmp_path) not in (error.message or "")
+        again = wait(alice, kept.id)
+        assert again.status == "completed", again.errors
+        assert [r["custom_id"] for r in content(alice, again.output_file_id)] == [f"r{i}" for i in range(30)]
+        assert [b.status for b in alice.batches.list().data] == ["failed", "completed"]
+
+
+def test_a_batch_whose_job_cannot_be_read_breaks_no_listing(tmp_path: Path, slow_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    work = Path(slow_runner.storage.work_root)
+    with serving(slow_runner) as url:
+        alice = client(url, KEY_A)
+        fine = wait(alice, submit(alice, src, {"max_tokens": 4}).id)
+        broken = submit(alice, src, {"max_tokens": 8, "checkpoint_rows": 2})
+        wait_for_rows(alice, broken.id, 2)
+        (job,) = [p for p in work.iterdir() if p.name.startswith(broken.id)]
+        (job / "job.json").write_text('{"job_id": ')  # torn
+        deadline = time.monotonic() + 60
+        while True:  # while it runs on and once it has ended, both batches are shown
+            assert [b.id for b in alice.batches.list().data] == [broken.id, fine.id]
+            if (status := alice.batches.retrieve(broken.id).status) in DONE:
+                break
+            assert time.monotonic() < deadline, f"the broken batch is still {status}"
+            time.sleep(0.2)
+        assert [b.id for b in alice.batches.list().data] == [broken.id, fine.id]
+        assert client(url, KEY_B).batches.list().data == []

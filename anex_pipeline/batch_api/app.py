@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -44,8 +45,11 @@ from anex_pipeline.spec import (
     INVALID_JSON,
     MISSING_PARAMETER,
     MediaOptions,
+    RequestCounts,
 )
 from anex_pipeline.validate import pydantic_code
+
+log = logging.getLogger("anex_pipeline.batch_api")
 
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
@@ -267,7 +271,11 @@ class BatchApi:
     def show(self, record: BatchRecord, *, with_results: bool = False) -> dict[str, Any]:
         """The Batch object; a retrieved batch that was created with embedded requests also lists
         its delivered rows once it is finished."""
-        counts, report = self.worker.progress(record)
+        try:
+            counts, report = self.worker.progress(record)
+        except Exception:  # one batch whose job cannot be read must not break a listing
+            log.exception("batch %s: its job's progress cannot be read", record.id)
+            counts, report = RequestCounts(), None
         shown = record.public(counts, report)
         if with_results and record.embedded and record.finished:
             shown["results"] = self.worker.results(record)

@@ -29,7 +29,7 @@ from typing import Any
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.sharing import sharing_as
-from anex_pipeline.errors import RowErrorType
+from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
@@ -45,6 +45,7 @@ CLOSE_WAIT_S = 30.0  # how long closing waits for the running jobs to stop and m
 MAX_RUNNING = 4  # batches generating at once, by default
 CANCELLED = "cancelled through the Batch API"
 SERVICE_STOPPED = "the Batch API service stopped; the batch resumes when it starts again"
+LOST = "the batch's work and its copy of the input were removed from the service before it finished; create it again"
 # Error of a row that never ran, by the code OpenAI gives it.
 UNRUN = {
     "batch_cancelled": "the request was not run: the batch was cancelled before it ran",
@@ -145,6 +146,8 @@ class BatchWorker:
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
             return counts, report
+        if not job.exists():  # removed before it finished: no row is left to count
+            return RequestCounts(), None
         manifest = job.manifest()
         counts = RequestCounts(total=manifest.total_rows)
         for shard in range(len(manifest.shards)):
@@ -171,7 +174,9 @@ class BatchWorker:
                 work(batch_id)
             except Exception as exc:  # a batch's failure must not end the worker
                 log.exception("batch %s failed", batch_id)
-                self._fail(batch_id, f"the batch could not be run: {exc}")
+                # The service's own faults name its files: the tenant gets the line, the log the rest.
+                why = exc.message if isinstance(exc, AnexError) else "an error in the service (its log has the details)"
+                self._fail(batch_id, f"the batch could not be run: {why}")
 
     def _check(self, batch_id: str) -> None:
         cut = threading.Event()
@@ -224,6 +229,9 @@ class BatchWorker:
         if record is None or record.finished or record.job_id is None:
             return
         job = self.runner.storage.job(record.job_id)
+        if not job.exists():
+            self._check_again(record)
+            return
         model = record.model or job.manifest().model_name
         if not self._take_turn(batch_id, job, model):
             return
@@ -248,6 +256,17 @@ class BatchWorker:
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
             self.runner.run(job, shards=[], clear_stop=False)
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
+
+    def _check_again(self, record: BatchRecord) -> None:
+        """Takes up a batch whose job's folder was removed before it finished (while the service
+        was down, say): from its own copy of its input it is checked and run again from the start;
+        without that copy it fails."""
+        if not self.store.input_path(record.id).exists():
+            self._fail(record.id, LOST)
+            return
+        log.warning("batch %s: its job %s is gone; checking and running it again", record.id, record.job_id)
+        self.store.update_batch(record.id, job_id=None, in_progress_at=None)
+        self._checks.put(record.id)
 
     def _take_turn(self, batch_id: str, job: JobDir, model: str) -> bool:
         """Waits until no batch of another model runs (one engine holds one model at a time),
