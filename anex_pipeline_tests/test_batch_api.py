@@ -39,6 +39,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline.stages import submit as submit_stage
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.fakes import fake_engine
@@ -631,7 +633,8 @@ def test_a_cancel_or_a_stop_cuts_the_check_short(
         assert alice.batches.cancel(first.id).status == "cancelling"
         cancelled = wait(alice, first.id, timeout=10)
         assert cancelled.status == "cancelled" and cancelled.output_file_id is None
-        assert not [p for p in work.iterdir() if p.name.startswith(first.id)]  # the check kept nothing
+        for job in (p for p in work.iterdir() if p.name.startswith(first.id)):  # the check kept nothing
+            assert not (job / layout.STAGING).exists() and not JobDir(work, job.name).exists()
         endless_check.clear()
         second = submit(bob, src, {"max_tokens": 4})
         assert endless_check.wait(30), "the second check never began"

@@ -6,7 +6,6 @@ API and the Dagster asset all submit through it."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -187,7 +186,7 @@ def prepare_job(
 
     ``options_file``: the file the options were read from, if any, which the job must not write
     over. ``stop`` is called before each chunk of rows is checked: what it raises ends the check,
-    and what the check had written is removed. Idempotent: a job whose manifest already exists for
+    and the rows it had staged are removed. Idempotent: a job whose manifest already exists for
     the same input content is reused as it is, so reruns and resumes keep their checkpoints.
     """
     input_path = Path(input_path)
@@ -237,8 +236,6 @@ def prepare_job(
         out.close()
         if not checked:  # cut short: nothing of this check is kept
             staging.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # the job's folder, unless it held something before
-                job.root.rmdir()
     if problem_count:
         staging.unlink(missing_ok=True)
         raise JobRejected(problems, total=problem_count)
