@@ -810,3 +810,24 @@ def test_a_batch_whose_job_cannot_be_read_breaks_no_listing(tmp_path: Path, slow
             time.sleep(0.2)
         assert [b.id for b in alice.batches.list().data] == [broken.id, fine.id]
         assert client(url, KEY_B).batches.list().data == []
+
+
+def test_a_delivery_cut_short_by_a_dead_service_leaves_no_stray_file(tmp_path: Path, slow_runner: JobRunner) -> None:
+    """A service killed while it stored a finished batch's files (one stored, the record not yet
+    updated) delivers them again at its next start: the file stored before is removed."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    store = Store(slow_runner.instance, slow_runner.storage.work_root)
+    with serving(slow_runner) as url:
+        alice = client(url, KEY_A)
+        batch = submit(alice, src, {"max_tokens": 4})
+        record = store.batch(batch.id)
+        assert record is not None
+        stale = tmp_path / "stale.jsonl"
+        stale.write_text('{"custom_id": "r0"}\n')
+        earlier = store.add_file(record.owner, f"{batch.id}_output.jsonl", "batch_output", stale, batch_id=batch.id)
+        done = wait(alice, batch.id)
+        assert done.status == "completed"
+        listed = [f.id for f in alice.files.list(purpose="batch_output")]
+        assert listed == [done.output_file_id] and earlier.id not in listed
+        with pytest.raises(openai.NotFoundError):
+            alice.files.retrieve(earlier.id)

@@ -152,6 +152,13 @@ class Store:
         start = names.index(after) + 1 if after in names else 0 if after is None else len(names)
         return records[start : start + limit], start + limit < len(records)
 
+    def delivered_by(self, batch: BatchRecord) -> list[FileRecord]:
+        """The files stored as the output or error file of this batch."""
+        ids = self._get(f"files.{batch.owner}") or []
+        found = self._get_many(f"file.{i}" for i in ids)
+        records = [FileRecord.model_validate(raw) for i in ids if (raw := found.get(f"file.{i}"))]
+        return [r for r in records if r.batch_id == batch.id]
+
     def expired_files(self, at: float) -> list[FileRecord]:
         """Files whose expiry time has come (still stored until :meth:`remove_file`)."""
         ids = self._get("expiring") or []

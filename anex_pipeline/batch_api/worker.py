@@ -299,7 +299,10 @@ class BatchWorker:
 
     def _deliver(self, record: BatchRecord, job: JobDir, unrun: str | None) -> dict[str, Any]:
         """Writes rows with a response to the output file and rows with an error to the error
-        file; with ``unrun`` (an error code), every row that never ran is in the error file too."""
+        file; with ``unrun`` (an error code), every row that never ran is in the error file too.
+        Files an earlier delivery of the batch stored before the service died are removed first."""
+        for earlier in self.store.delivered_by(record):
+            self.store.remove_file(earlier)
         out_path = self.store.scratch(f"{record.id}_output.jsonl")
         err_path = self.store.scratch(f"{record.id}_error.jsonl")
         rows = {"output_file_id": 0, "error_file_id": 0}
