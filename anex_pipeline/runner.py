@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,9 +69,11 @@ class JobRunner:
         raw_options: dict[str, Any],
         report: str | None = None,
         options_file: str | None = None,
+        stop: Callable[[], None] | None = None,
     ) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
-        is where ``raw_options`` were read from, if from a file."""
+        is where ``raw_options`` were read from, if from a file; ``stop`` can end the check early
+        (see :func:`~anex_pipeline.stages.submit.prepare_job`)."""
         options = job_options(raw_options)
         work_root = Path(self.storage.work_root).expanduser()
         job = prepare_job(
@@ -83,6 +85,7 @@ class JobRunner:
             local_model=not self.engine.base_url,
             s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
             options_file=Path(options_file) if options_file else None,
+            stop=stop,
         )
         self._hold(job)
         self._load_engine_early(job, job.manifest())

@@ -6,12 +6,18 @@ model through real vLLM and compares it with the same input run directly through
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,11 +30,17 @@ import uvicorn
 from openai import OpenAI
 from openai.types import Batch
 
+from anex_pipeline import cli
 from anex_pipeline.batch_api.app import create_app
+from anex_pipeline.batch_api.requests import MAX_OPTIONS_BYTES, MAX_SYSTEM_PROMPT_BYTES
+from anex_pipeline.batch_api.store import Store
 from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
+from anex_pipeline.stages import submit as submit_stage
+from anex_pipeline.workdir import layout
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.fakes import fake_engine
@@ -475,3 +487,347 @@ def test_serve_reads_the_operators_media_policy(tmp_path: Path) -> None:
     assert _media_policy(args) == MediaOptions(allowed_hosts=["images.internal", "10.0.0.7:9000"], max_bytes=5000)
     with pytest.raises(UsageError, match="max_byte"):
         _media_policy(build_parser().parse_args(["serve", "--media", '{"max_byte": 5}']))
+
+
+def create_raw(url: str, body: dict[str, Any], key: str = KEY_A) -> httpx.Response:
+    """``POST /v1/batches`` with this body, as plain HTTP."""
+    return httpx.post(f"{url}/batches", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_only_the_operators_models_are_served(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """A model outside the operator's list gets one refusal, whatever it names on the server: no
+    answer tells an existing file, folder or unreadable folder from a missing one."""
+    own = tmp_path / "models" / "house-model"
+    own.mkdir(parents=True)
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    probes = ["/etc/passwd", "/nonexistent/dir", "/root/.ssh", "/etc", str(tmp_path / "models"), "gpt-4o-mini"]
+    with serving(fake_runner, models=["SmolLM2-135M-Instruct", str(own)]) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        with src.open("rb") as f:
+            file_id = alice.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for where, param in (
+            (lambda m: {"model": m}, "model"),
+            (lambda m: {"anex_options": {"model": m}}, "anex_options.model"),
+            (lambda m: {"metadata": {"anex_options": json.dumps({"model": m})}}, "anex_options.model"),
+        ):
+            answers = [create_raw(url, {**base, **where(m)}) for m in probes]
+            assert {a.status_code for a in answers} == {400}
+            assert len({a.text for a in answers}) == 1, [a.text for a in answers]  # byte for byte the same
+            error = answers[0].json()["error"]
+            assert (error["param"], error["code"]) == (param, "model_not_found")
+            assert str(own) in error["message"] and "SmolLM2-135M-Instruct" in error["message"]
+        assert alice.batches.list().data == []  # nothing was created
+        default = wait(alice, alice.batches.create(**base).id)  # no model: the first listed
+        assert default.status == "completed" and default.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        with src.open("rb") as f:
+            bobs = bob.files.create(file=f, purpose="batch").id
+        chosen = wait(bob, create_raw(url, {**base, "input_file_id": bobs, "model": str(own)}, KEY_B).json()["id"])
+        assert chosen.status == "completed" and chosen.model == str(own)
+
+
+def test_without_a_model_list_only_the_default_models_are_served(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            file_id = sdk.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        answers = [create_raw(url, {**base, "model": m}) for m in ("/etc", "/nonexistent/dir", "/etc/passwd")]
+        assert [a.status_code for a in answers] == [400] * 3 and len({a.text for a in answers}) == 1
+        named = create_raw(url, {**base, "model": "smollm2-135m-instruct"})
+        assert named.status_code == 200, named.text
+        assert wait(sdk, named.json()["id"]).status == "completed"
+
+
+def test_serve_takes_the_operators_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--model", "SmolLM2-135M-Instruct", "--model", str(tmp_path)])
+    assert args.models == ["SmolLM2-135M-Instruct", str(tmp_path)]
+    missing = str(tmp_path / "no-such-model")
+    assert cli.main(["serve", "--model", missing, "--work-dir", str(tmp_path / "work")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --model: ") and missing in line
+
+
+def test_a_listing_limit_that_is_not_a_number_in_range_is_a_400(fake_runner: JobRunner) -> None:
+    with serving(fake_runner) as url:
+        for path, most in (("files", 10_000), ("batches", 100)):
+            for limit in ("²", "١٢", "0", str(most + 1), "-1", "1.5", ""):
+                answer = httpx.get(
+                    f"{url}/{path}", params={"limit": limit}, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=10
+                )
+                assert answer.status_code == 400, (path, limit, answer.text)
+                error = answer.json()["error"]
+                assert error["param"] == "limit" and f"from 1 to {most}" in error["message"], error
+
+
+def test_job_options_over_the_services_limits_are_a_400(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            file_id = sdk.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for options, param, code in (
+            (
+                {"system_prompt": "x" * (MAX_SYSTEM_PROMPT_BYTES + 1)},
+                "anex_options.system_prompt",
+                "string_above_max_length",
+            ),
+            (
+                {"system_prompt": "é" * (MAX_SYSTEM_PROMPT_BYTES // 2 + 1)},
+                "anex_options.system_prompt",
+                "string_above_max_length",
+            ),
+            ({"stop": ["s" * 1000] * (MAX_OPTIONS_BYTES // 1000)}, "anex_options", "invalid_value"),
+        ):
+            answer = create_raw(url, {**base, "anex_options": options})
+            assert answer.status_code == 400, answer.text[:300]
+            error = answer.json()["error"]
+            assert (error["param"], error["code"]) == (param, code), error
+            limit = MAX_SYSTEM_PROMPT_BYTES if param.endswith("system_prompt") else MAX_OPTIONS_BYTES
+            assert f"{limit:,}" in error["message"], error
+        assert sdk.batches.list().data == []
+        at_limit = create_raw(
+            url, {**base, "anex_options": {"system_prompt": "x" * MAX_SYSTEM_PROMPT_BYTES, "max_tokens": 4}}
+        )
+        assert at_limit.status_code == 200, at_limit.text[:300]
+        assert wait(sdk, at_limit.json()["id"]).status == "completed"
+
+
+@pytest.fixture
+def endless_check(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Makes every input check endless (its rows come round again and again, as in a check that
+    takes hours); the event is set once a check has begun."""
+    begun = threading.Event()
+    real = submit_stage.read_input
+
+    def endless(path: Path, options: Any) -> tuple[Any, Any, Iterator[Any]]:
+        kind, endpoint, chunks = real(path, options)
+        first = list(chunks)
+
+        def again() -> Iterator[Any]:
+            begun.set()
+            while True:
+                yield from first
+                time.sleep(0.01)
+
+        return kind, endpoint, again()
+
+    monkeypatch.setattr(submit_stage, "read_input", endless)
+    return begun
+
+
+def test_a_cancel_or_a_stop_cuts_the_check_short(
+    tmp_path: Path, fake_runner: JobRunner, endless_check: threading.Event
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    work = Path(fake_runner.storage.work_root)
+    with serving(fake_runner) as url:
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        first = submit(alice, src, {"max_tokens": 8})
+        assert endless_check.wait(30), "the check never began"
+        assert alice.batches.retrieve(first.id).status == "validating"
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.cancel(first.id)
+        assert alice.batches.cancel(first.id).status == "cancelling"
+        cancelled = wait(alice, first.id, timeout=10)
+        assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+        for job in (p for p in work.iterdir() if p.name.startswith(first.id)):  # the check kept nothing
+            assert not (job / layout.STAGING).exists() and not JobDir(work, job.name).exists()
+        endless_check.clear()
+        second = submit(bob, src, {"max_tokens": 4})
+        assert endless_check.wait(30), "the second check never began"
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 10, "closing waited for the check"
+    stored = Store(fake_runner.instance, work).batch(second.id)
+    assert stored is not None and stored.status == "validating"  # the next start checks it again
+
+
+def race(*calls: Callable[[], httpx.Response]) -> list[httpx.Response]:
+    """The calls made at the same moment from threads of their own (a barrier lets them go)."""
+    barrier = threading.Barrier(len(calls))
+    answers: list[httpx.Response | None] = [None] * len(calls)
+
+    def go(n: int) -> None:
+        barrier.wait(timeout=30)
+        answers[n] = calls[n]()
+
+    threads = [threading.Thread(target=go, args=(n,)) for n in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(a is not None for a in answers), "a call did not return"
+    return answers  # type: ignore[return-value]
+
+
+def test_a_batch_made_from_a_file_and_a_delete_of_it_never_both_succeed(tmp_path: Path, fake_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("big", "x" * 2_000_000)])  # its copy takes a while
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    outcomes = []
+    with serving(fake_runner) as url, httpx.Client(headers=headers, timeout=60) as http:
+        sdk = client(url)
+        for _ in range(20):
+            with src.open("rb") as f:
+                file_id = sdk.files.create(file=f, purpose="batch").id
+            body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            created, deleted = race(
+                functools.partial(http.post, f"{url}/batches", json=body),
+                functools.partial(http.delete, f"{url}/files/{file_id}"),
+            )
+            outcomes.append((created.status_code, deleted.status_code))
+            assert outcomes[-1] in {(200, 400), (404, 200)}, (created.text, deleted.text)
+            if created.status_code == 200:
+                sdk.batches.cancel(created.json()["id"])
+                assert "is the input of batch" in deleted.json()["error"]["message"]
+            else:
+                assert all(b.input_file_id != file_id for b in sdk.batches.list())
+
+
+def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
+    tmp_path: Path, fake_runner: JobRunner
+) -> None:
+    work = Path(fake_runner.storage.work_root)
+    headers = {"Authorization": f"Bearer {KEY_B}"}
+    with serving(fake_runner) as url, httpx.Client(timeout=60) as http:
+        bob = client(url, KEY_B)
+        made = []
+        for key in range(5):
+            body = {
+                "endpoint": "/v1/chat/completions",
+                "requests": [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": f"hi {key}"}]}}],
+                "anex_options": {"max_tokens": 4},
+            }
+            sent = {**headers, "Idempotency-Key": f"key-{key}"}
+            answers = race(*[functools.partial(http.post, f"{url}/batches", json=body, headers=sent)] * 6)
+            assert {a.status_code for a in answers} == {200}, [a.text for a in answers]
+            ids = {a.json()["id"] for a in answers}
+            assert len(ids) == 1, ids
+            made.append(ids.pop())
+        done = [wait(bob, batch_id) for batch_id in made]
+        inputs = [f.id for f in bob.files.list(purpose="batch")]
+        assert sorted(inputs) == sorted(b.input_file_id for b in done)  # one input per batch, no other
+        stored = {p.name for p in (work / "batch-api" / "files").iterdir()}
+        assert stored == {f.id for f in bob.files.list()}  # no bytes without a record either
+
+
+@contextmanager
+def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``anex-pipeline serve`` on the slow fake engine in a process (and process group) of its
+    own, on a free loopback port, with both tenants' keys; yields the process and the SDK's
+    base_url once it answers. Its output goes to files, so no unread pipe can fill and stall it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "dagster_home"
+    home.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "ANEX_BATCH_API_KEYS": f"{KEY_A},{KEY_B}",
+        "ANEX_FAKE_ROW_DELAY_S": "0.1",
+        "NO_PROXY": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
+    with (tmp_path / "serve.log").open("ab") as log:
+        process = subprocess.Popen(
+            [*command, "--work-dir", str(tmp_path / "work")],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "serve did not start"
+            try:
+                httpx.get(f"{url}/batches", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=5)
+                break
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+
+
+def test_after_a_sigkilled_serve_a_lost_job_breaks_no_listing_and_its_batch_comes_back(tmp_path: Path) -> None:
+    """serve is SIGKILLed while two of Alice's batches generate, then their jobs' folders are
+    removed (by hand, say) and one batch's own input copy too. On the next start both tenants'
+    listings answer; the batch with its input copy runs again from the start to the end, the other
+    fails with a line that names no path of the server."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(30))
+    work = tmp_path / "work"
+    with serve_process(tmp_path) as (process, url):
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        bobs = wait(bob, submit(bob, src, {"max_tokens": 4, "checkpoint_rows": 2}).id)
+        kept = submit(alice, src, {"max_tokens": 8, "checkpoint_rows": 2})
+        lost = submit(alice, src, {"max_tokens": 16, "checkpoint_rows": 2})
+        for batch in (kept, lost):
+            wait_for_rows(alice, batch.id, 2)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    for batch in (kept, lost):
+        (job,) = [p for p in work.iterdir() if p.name.startswith(batch.id)]
+        shutil.rmtree(job)
+    (work / "batch-api" / "batches" / f"{lost.id}.jsonl").unlink()
+    with serve_process(tmp_path) as (_, url):
+        alice, bob = client(url, KEY_A), client(url, KEY_B)
+        assert [b.id for b in alice.batches.list().data] == [lost.id, kept.id]
+        assert [(b.id, b.status) for b in bob.batches.list().data] == [(bobs.id, "completed")]
+        failed = wait(alice, lost.id)
+        assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+        (error,) = failed.errors.data
+        assert error.code == "job_failed" and str(tmp_path) not in (error.message or "")
+        again = wait(alice, kept.id)
+        assert again.status == "completed", again.errors
+        assert [r["custom_id"] for r in content(alice, again.output_file_id)] == [f"r{i}" for i in range(30)]
+        assert [b.status for b in alice.batches.list().data] == ["failed", "completed"]
+
+
+def test_a_batch_whose_job_cannot_be_read_breaks_no_listing(tmp_path: Path, slow_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    work = Path(slow_runner.storage.work_root)
+    with serving(slow_runner) as url:
+        alice = client(url, KEY_A)
+        fine = wait(alice, submit(alice, src, {"max_tokens": 4}).id)
+        broken = submit(alice, src, {"max_tokens": 8, "checkpoint_rows": 2})
+        wait_for_rows(alice, broken.id, 2)
+        (job,) = [p for p in work.iterdir() if p.name.startswith(broken.id)]
+        (job / "job.json").write_text('{"job_id": ')  # torn
+        deadline = time.monotonic() + 60
+        while True:  # while it runs on and once it has ended, both batches are shown
+            assert [b.id for b in alice.batches.list().data] == [broken.id, fine.id]
+            if (status := alice.batches.retrieve(broken.id).status) in DONE:
+                break
+            assert time.monotonic() < deadline, f"the broken batch is still {status}"
+            time.sleep(0.2)
+        assert [b.id for b in alice.batches.list().data] == [broken.id, fine.id]
+        assert client(url, KEY_B).batches.list().data == []
+
+
+def test_a_delivery_cut_short_by_a_dead_service_leaves_no_stray_file(tmp_path: Path, slow_runner: JobRunner) -> None:
+    """A service killed while it stored a finished batch's files (one stored, the record not yet
+    updated) delivers them again at its next start: the file stored before is removed."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    store = Store(slow_runner.instance, slow_runner.storage.work_root)
+    with serving(slow_runner) as url:
+        alice = client(url, KEY_A)
+        batch = submit(alice, src, {"max_tokens": 4})
+        record = store.batch(batch.id)
+        assert record is not None
+        stale = tmp_path / "stale.jsonl"
+        stale.write_text('{"custom_id": "r0"}\n')
+        earlier = store.add_file(record.owner, f"{batch.id}_output.jsonl", "batch_output", stale, batch_id=batch.id)
+        done = wait(alice, batch.id)
+        assert done.status == "completed"
+        listed = [f.id for f in alice.files.list(purpose="batch_output")]
+        assert listed == [done.output_file_id] and earlier.id not in listed
+        with pytest.raises(openai.NotFoundError):
+            alice.files.retrieve(earlier.id)

@@ -229,7 +229,8 @@ def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, media_
         vision_row("inline", image(data_url(image_for("/b")))),
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    served = Served(tmp_path, "--media-allowed-host", f"127.0.0.1:{media_server.port}", "--max-model-len", "2048")
+    allowed = ["--model", str(vision_model), "--media-allowed-host", f"127.0.0.1:{media_server.port}"]
+    served = Served(tmp_path, *allowed, "--max-model-len", "2048")
     try:
         with src.open("rb") as f:
             uploaded = served.sdk.files.create(file=f, purpose="batch")

@@ -125,7 +125,7 @@ def test_a_job_sent_to_a_model_server_does_not_look_for_its_model_here(
 
 def test_the_batch_api_fails_a_batch_whose_model_is_absent(tmp_path: Path, fake_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
-    with serving(fake_runner) as url:
+    with serving(fake_runner, models=[ABSENT]) as url:  # listed by the operator, absent from the machine
         sdk = client(url)
         batch = wait(sdk, submit(sdk, src, {"model": ABSENT}).id, timeout=60)
     assert batch.status == "failed" and batch.errors is not None and batch.errors.data

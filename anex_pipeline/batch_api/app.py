@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import AsyncIterator, Iterable
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,12 @@ from anex_pipeline.batch_api.objects import (
     ApiError,
     BatchRecord,
     CreateBatch,
+    FileRecord,
     new_id,
     not_found,
     now,
 )
-from anex_pipeline.batch_api.requests import batch_options, upload_expiry
+from anex_pipeline.batch_api.requests import ServedModels, batch_options, upload_expiry
 from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
@@ -43,22 +45,34 @@ from anex_pipeline.spec import (
     INVALID_JSON,
     MISSING_PARAMETER,
     MediaOptions,
+    RequestCounts,
 )
 from anex_pipeline.validate import pydantic_code
+
+log = logging.getLogger("anex_pipeline.batch_api")
 
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
 MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) page of files
+MAX_BATCHES_PAGE = 100  # OpenAI's largest page of batches
 
 
 class BatchApi:
     """The routes' logic, on one store and one worker."""
 
-    def __init__(self, store: Store, worker: BatchWorker, key_hashes: frozenset[str], media: MediaOptions):
+    def __init__(
+        self,
+        store: Store,
+        worker: BatchWorker,
+        key_hashes: frozenset[str],
+        media: MediaOptions,
+        models: ServedModels,
+    ):
         self.store = store
         self.worker = worker
         self.key_hashes = key_hashes
         self.media = media
+        self.models = models
 
     def owner(self, request: Request) -> str:
         """The hash of the caller's API key, or a 401."""
@@ -99,19 +113,13 @@ class BatchApi:
     async def list_files(self, request: Request) -> Response:
         owner = self.owner(request)
         query = request.query_params
-        limit_text = query.get("limit", str(MAX_FILES_PAGE))
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_FILES_PAGE:
-            raise ApiError(
-                400, f"limit must be a whole number from 1 to {MAX_FILES_PAGE}, got {limit_text!r}.", param="limit"
-            )
+        limit = page_limit(request, MAX_FILES_PAGE, MAX_FILES_PAGE)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}.", param="order")
 
         def page() -> dict[str, Any]:
-            records, more = self.store.files(
-                owner, query.get("purpose"), order == "desc", query.get("after"), int(limit_text)
-            )
+            records, more = self.store.files(owner, query.get("purpose"), order == "desc", query.get("after"), limit)
             data = [r.public() for r in records]
             first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
             return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
@@ -120,16 +128,17 @@ class BatchApi:
 
     async def delete_file(self, request: Request) -> Response:
         def delete() -> dict[str, Any]:
-            record = self._file(request)
-            if (batch := self.store.in_use(record.id)) is not None:
-                raise ApiError(
-                    400,
-                    f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it once "
-                    "the batch has finished, or cancel the batch.",
-                    param="file_id",
-                )
-            runner = self.worker.runner
-            forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
+            with self.store.inputs:  # no batch is made from the file between the check and the removal
+                record = self._file(request)
+                if (batch := self.store.in_use(record.id)) is not None:
+                    raise ApiError(
+                        400,
+                        f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it "
+                        "once the batch has finished, or cancel the batch.",
+                        param="file_id",
+                    )
+                runner = self.worker.runner
+                forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
             return {"id": record.id, "object": "file", "deleted": True}
 
         return JSONResponse(await run_in_threadpool(delete))
@@ -173,19 +182,10 @@ class BatchApi:
     def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = batch_options(body, self.media)
+        options = batch_options(body, self.media, self.models)
         batch_id = new_id("batch_")
-        if body.requests is not None:
-            input_file_id = self._embedded_input(owner, batch_id, body)
-        else:
-            input_file_id = body.input_file_id or ""
-            found = self.store.file(owner, input_file_id)
-            if found is None:
-                raise not_found("file", input_file_id)
-            if found.purpose != "batch":
-                raise ApiError(
-                    400, f"File {input_file_id} is a {found.purpose} file, not a batch input.", param="input_file_id"
-                )
+        embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
+        input_file_id = embedded.id if embedded is not None else body.input_file_id or ""
         record = BatchRecord(
             id=batch_id,
             owner=owner,
@@ -199,18 +199,40 @@ class BatchApi:
             embedded=body.requests is not None,
             output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
         )
-        stored = self.store.add_batch(record, idempotency_key)
+        try:
+            stored = self._register(owner, record, idempotency_key)
+        except BaseException:
+            if embedded is not None:
+                self.store.remove_file(embedded)
+            raise
         if stored.id == batch_id:
             self.worker.enqueue(stored)
+        elif embedded is not None:  # the batch made earlier with this idempotency key has its own input
+            self.store.remove_file(embedded)
         return stored
 
-    def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> str:
+    def _register(self, owner: str, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
+        """Registers the batch if its input file is there (and no batch was made earlier with the
+        idempotency key); a delete of the file waits until the batch has its own copy."""
+        with self.store.inputs:
+            found = self.store.file(owner, record.input_file_id)
+            if found is None:
+                raise not_found("file", record.input_file_id)
+            if found.purpose != "batch":
+                raise ApiError(
+                    400,
+                    f"File {record.input_file_id} is a {found.purpose} file, not a batch input.",
+                    param="input_file_id",
+                )
+            return self.store.add_batch(record, idempotency_key)
+
+    def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> FileRecord:
         """Writes embedded requests as a batch input file (requests[N] is line N+1 in its errors)."""
         if not body.requests:
             raise ApiError(400, "'requests' must hold at least one {custom_id, body} item.", param="requests")
         lines = [json.dumps({"method": "POST", "url": body.endpoint, **item}) + "\n" for item in body.requests]
         data = io.BytesIO("".join(lines).encode("utf-8"))
-        return self.store.add_file(owner, f"{batch_id}_requests.jsonl", "batch", data).id
+        return self.store.add_file(owner, f"{batch_id}_requests.jsonl", "batch", data)
 
     async def retrieve_batch(self, request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(lambda: self.show(self._batch(request), with_results=True)))
@@ -229,12 +251,10 @@ class BatchApi:
     async def list_batches(self, request: Request) -> Response:
         owner = self.owner(request)
         after = request.query_params.get("after")
-        limit_text = request.query_params.get("limit", "20")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-            raise ApiError(400, f"limit must be a whole number from 1 to 100, got {limit_text!r}.", param="limit")
+        limit = page_limit(request, 20, MAX_BATCHES_PAGE)
 
         def page() -> dict[str, Any]:
-            records, more = self.store.batches(owner, after, int(limit_text))
+            records, more = self.store.batches(owner, after, limit)
             data = [self.show(r) for r in records]
             first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
             return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
@@ -251,11 +271,24 @@ class BatchApi:
     def show(self, record: BatchRecord, *, with_results: bool = False) -> dict[str, Any]:
         """The Batch object; a retrieved batch that was created with embedded requests also lists
         its delivered rows once it is finished."""
-        counts, report = self.worker.progress(record)
+        try:
+            counts, report = self.worker.progress(record)
+        except Exception:  # one batch whose job cannot be read must not break a listing
+            log.exception("batch %s: its job's progress cannot be read", record.id)
+            counts, report = RequestCounts(), None
         shown = record.public(counts, report)
         if with_results and record.embedded and record.finished:
             shown["results"] = self.worker.results(record)
         return shown
+
+
+def page_limit(request: Request, default: int, most: int) -> int:
+    """The ``limit`` query parameter of a listing: ASCII digits from 1 to ``most`` (Python's ``int``
+    would also take other scripts' digits, and ``str.isdigit`` superscripts it cannot convert)."""
+    text = request.query_params.get("limit", str(default))
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= most:
+        raise ApiError(400, f"limit must be a whole number from 1 to {most}, got {text!r}.", param="limit")
+    return int(text)
 
 
 class BodyLimit:
@@ -322,11 +355,14 @@ def create_app(
     max_upload_bytes: int = MAX_UPLOAD_BYTES,
     max_body_bytes: int = MAX_BODY_BYTES,
     media: MediaOptions | None = None,
+    models: Sequence[str] = (),
     max_running_batches: int = MAX_RUNNING,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
     ``media`` is the operator's media policy (hosts and limits); callers may only narrow it.
+    ``models`` are the models batches may name, the first one the default (see
+    :class:`~anex_pipeline.batch_api.requests.ServedModels`).
     Up to ``max_running_batches`` batches generate at once, sharing the engine."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
@@ -338,7 +374,7 @@ def create_app(
             "(none are stored from an earlier start)"
         )
     worker = BatchWorker(runner, store, max_running_batches)
-    api = BatchApi(store, worker, key_hashes, media or MediaOptions())
+    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), ServedModels(models))
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -1,10 +1,12 @@
 """What a Batch API request asks for, checked: a batch's job options (from ``metadata.anex_options``
-and the ``anex_options`` body field, narrowed to the service's media policy), its metadata, and an
-upload's expiry. Each refusal is an :class:`~anex_pipeline.batch_api.objects.ApiError` naming the
-parameter."""
+and the ``anex_options`` body field, within the service's size limits, its models and its media
+policy), its metadata, and an upload's expiry. Each refusal is an
+:class:`~anex_pipeline.batch_api.objects.ApiError` naming the parameter."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,11 +17,13 @@ from anex_pipeline.batch_api.objects import (
     CreateBatch,
     ExpiresAfter,
 )
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, resolve_model
 from anex_pipeline.options import OptionsError, job_options, options_from_json
 from anex_pipeline.spec import (
     ENDPOINT_BY_URL,
     INVALID_VALUE,
     MISSING_PARAMETER,
+    MODEL_NOT_FOUND,
     JobRejected,
     MediaOptions,
 )
@@ -37,13 +41,56 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 
+MAX_OPTIONS_BYTES = 1024 * 1024  # a batch's job options, as UTF-8 JSON
+MAX_SYSTEM_PROMPT_BYTES = 256 * 1024  # the job option system_prompt, in UTF-8
+
+
 MEDIA_LIMITS = ("max_bytes", "timeout_s", "per_host_connections", "max_retries")  # a caller may only lower these
 
 
-def batch_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
+class ServedModels:
+    """The models a service runs batches on, chosen by its operator (``serve --model``, repeatable).
+
+    A batch may name one of them (in its options or the body field ``model``); one that names
+    none runs the first. Without a list, the service serves the models a job gets when it names
+    none: the bundled chat model, and the bundled embedding model for ``/v1/embeddings`` (with
+    ``--base-url``, whatever the server serves). Names are compared as the pipeline resolves
+    them (``SmolLM2-135M-Instruct`` is the bundled model's full id), never looked up on disk or
+    on the hub: every other name gets the same refusal, whatever it is, so a model name cannot
+    probe the server's files, nor make the shared engine load another model."""
+
+    def __init__(self, names: Sequence[str] = ()):
+        self.names = tuple(names)
+        self._served = {_reference(n) for n in self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)}
+        if self.names:
+            served = f"it serves {', '.join(self.names)}; a batch that names no model runs {self.names[0]}"
+        else:
+            served = (
+                f"it serves only its default models, {DEFAULT_CHAT_MODEL} and, for /v1/embeddings, "
+                f"{DEFAULT_EMBEDDING_MODEL}; a batch that names no model runs the one of its endpoint"
+            )
+        self._refusal = f"This service does not serve the model the batch names: {served}."
+
+    def model_for(self, asked: Any, param: str) -> Any:
+        """The model a batch runs (None: the job's default), or a 400 naming ``param`` when the
+        batch asks for one the service does not serve. A value that is not a string is returned
+        as it is, for the option check to name."""
+        if asked is None:
+            return self.names[0] if self.names else None
+        if isinstance(asked, str) and _reference(asked) not in self._served:
+            raise ApiError(400, self._refusal, param=param, code=MODEL_NOT_FOUND)
+        return asked
+
+
+def _reference(name: str) -> str:
+    """What a model name stands for (a bundled model's aliases are one model); no file is read."""
+    return resolve_model(name, "chat")[0]
+
+
+def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) -> dict[str, Any]:
     """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
-    the ``anex_options`` body field over it, the batch's endpoint and ``model``, and the service's
-    media policy narrowed by the caller's ``media``; checked here."""
+    the ``anex_options`` body field over it, the batch's endpoint, its model (one the service
+    serves), and the service's media policy narrowed by the caller's ``media``; checked here."""
     if body.endpoint not in ENDPOINT_BY_URL:
         supported = ", ".join(ENDPOINT_BY_URL)
         raise ApiError(
@@ -73,9 +120,14 @@ def batch_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
         except OptionsError as exc:
             raise ApiError(400, f"{exc}.", param=f"metadata.{OPTIONS_METADATA_KEY}", code=exc.code) from None
     options.update(body.anex_options or {})
+    check_option_sizes(options)
     options["media"] = narrowed_media(options.get("media"), media)
-    if body.model is not None:
-        options.setdefault("model", body.model)
+    asked, where = options.pop("model", None), f"{OPTIONS_METADATA_KEY}.model"
+    if asked is None:
+        asked, where = body.model, "model"
+    model = models.model_for(asked, where)
+    if model is not None:
+        options["model"] = model
     endpoint = ENDPOINT_BY_URL[body.endpoint]
     if options.setdefault("endpoint", endpoint) != endpoint:
         raise ApiError(
@@ -92,6 +144,31 @@ def batch_options(body: CreateBatch, media: MediaOptions) -> dict[str, Any]:
             param=OPTIONS_METADATA_KEY,
             code=exc.problems[0].code,
         ) from None
+
+
+def check_option_sizes(options: dict[str, Any]) -> None:
+    """Refuses job options over the service's limits: :data:`MAX_OPTIONS_BYTES` for all of them
+    as JSON, :data:`MAX_SYSTEM_PROMPT_BYTES` for ``system_prompt``. Anything a request carries is
+    copied into the batch's record and its job, and the check of its input runs on them."""
+    prompt = options.get("system_prompt")
+    if isinstance(prompt, str) and (size := _utf8_bytes(prompt)) > MAX_SYSTEM_PROMPT_BYTES:
+        raise ApiError(
+            400,
+            f"{OPTIONS_METADATA_KEY}.system_prompt is {size:,} bytes long; this service takes system prompts "
+            f"of up to {MAX_SYSTEM_PROMPT_BYTES:,} bytes (put longer shared text in the rows).",
+            param=f"{OPTIONS_METADATA_KEY}.system_prompt",
+            code="string_above_max_length",
+        )
+    if (size := _utf8_bytes(json.dumps(options, ensure_ascii=False))) > MAX_OPTIONS_BYTES:
+        raise ApiError(
+            400,
+            f"the job options are {size:,} bytes of JSON; this service takes up to {MAX_OPTIONS_BYTES:,} bytes.",
+            param=OPTIONS_METADATA_KEY,
+        )
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # JSON may carry a lone surrogate (\ud800)
 
 
 def check_metadata(metadata: dict[str, str]) -> None:

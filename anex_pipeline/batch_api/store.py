@@ -44,6 +44,10 @@ class Store:
         self._kv = instance.run_storage
         self.root = Path(work_root).expanduser() / "batch-api"
         self._lock = threading.RLock()
+        # Held by a new batch from the check that its input file exists to its registration (see
+        # add_batch), and by a delete from its check that no unfinished batch uses the file to its
+        # removal: of a batch made from a file and a delete of it, exactly one succeeds.
+        self.inputs = threading.Lock()
 
     # -- key-value helpers ------------------------------------------------------------------------
     def _get_many(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -148,6 +152,13 @@ class Store:
         start = names.index(after) + 1 if after in names else 0 if after is None else len(names)
         return records[start : start + limit], start + limit < len(records)
 
+    def delivered_by(self, batch: BatchRecord) -> list[FileRecord]:
+        """The files stored as the output or error file of this batch."""
+        ids = self._get(f"files.{batch.owner}") or []
+        found = self._get_many(f"file.{i}" for i in ids)
+        records = [FileRecord.model_validate(raw) for i in ids if (raw := found.get(f"file.{i}"))]
+        return [r for r in records if r.batch_id == batch.id]
+
     def expired_files(self, at: float) -> list[FileRecord]:
         """Files whose expiry time has come (still stored until :meth:`remove_file`)."""
         ids = self._get("expiring") or []
@@ -198,10 +209,15 @@ class Store:
         self.output_path(batch_id).unlink(missing_ok=True)
 
     def add_batch(self, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
-        """Registers a new batch, or returns the one made earlier with the same idempotency key."""
+        """Registers a new batch with its own copy of its input file (a hard link when the file
+        system allows it, so that :attr:`inputs` is held for no time), or returns the one made
+        earlier with the same idempotency key. The caller holds :attr:`inputs`."""
         copy = self.input_path(record.id)
         copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(self.content_path(record.input_file_id), copy)  # outside the lock: it may be big
+        try:
+            os.link(self.content_path(record.input_file_id), copy)
+        except OSError:
+            shutil.copyfile(self.content_path(record.input_file_id), copy)
         with self._lock:
             if idempotency_key is not None and (earlier := self.batch_for_key(record.owner, idempotency_key)):
                 copy.unlink()

@@ -29,13 +29,13 @@ from typing import Any
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.sharing import sharing_as
-from anex_pipeline.errors import RowErrorType
+from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
+from anex_pipeline.stopping import JobStopped, clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger("anex_pipeline.batch_api")
@@ -45,6 +45,7 @@ CLOSE_WAIT_S = 30.0  # how long closing waits for the running jobs to stop and m
 MAX_RUNNING = 4  # batches generating at once, by default
 CANCELLED = "cancelled through the Batch API"
 SERVICE_STOPPED = "the Batch API service stopped; the batch resumes when it starts again"
+LOST = "the batch's work and its copy of the input were removed from the service before it finished; create it again"
 # Error of a row that never ran, by the code OpenAI gives it.
 UNRUN = {
     "batch_cancelled": "the request was not run: the batch was cancelled before it ran",
@@ -63,7 +64,8 @@ class BatchWorker:
         self._closing = threading.Event()
         self._running: dict[str, JobDir] = {}  # batch id -> its job, while it generates
         self._models: Counter[str] = Counter()  # model -> batches running it
-        self._turn = threading.Condition()  # guards both
+        self._checking: dict[str, threading.Event] = {}  # batch id -> set to cut its check short
+        self._turn = threading.Condition()  # guards the three
         self._checkers = [
             threading.Thread(target=self._loop, args=(self._checks, self._check), name=f"batch-check-{n}", daemon=True)
             for n in range(max_running)
@@ -105,6 +107,8 @@ class BatchWorker:
         self._closing.set()
         with self._turn:
             running = list(self._running.values())
+            for cut in self._checking.values():
+                cut.set()
             self._turn.notify_all()
         for job in running:
             request_stop(job, SERVICE_STOPPED)
@@ -113,12 +117,16 @@ class BatchWorker:
         (self._checks if record.job_id is None else self._runs).put(record.id)
 
     def cancel(self, record: BatchRecord) -> BatchRecord:
-        """Marks the batch cancelling and asks its job (if it has one yet) to stop."""
+        """Marks the batch cancelling and asks its job (if it has one yet) to stop, or its check
+        (if it is being checked) to end."""
         if record.finished or record.cancelling_at is not None:
             return record
         record = self.store.update_batch(record.id, cancelling_at=now())
         if record.job_id is not None:
             request_stop(self.runner.storage.job(record.job_id), CANCELLED)
+        with self._turn:
+            if (cut := self._checking.get(record.id)) is not None:
+                cut.set()
         return record
 
     # -- what a batch shows while it runs --------------------------------------------------------
@@ -138,6 +146,8 @@ class BatchWorker:
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
             return counts, report
+        if not job.exists():  # removed before it finished: no row is left to count
+            return RequestCounts(), None
         manifest = job.manifest()
         counts = RequestCounts(total=manifest.total_rows)
         for shard in range(len(manifest.shards)):
@@ -164,19 +174,42 @@ class BatchWorker:
                 work(batch_id)
             except Exception as exc:  # a batch's failure must not end the worker
                 log.exception("batch %s failed", batch_id)
-                self._fail(batch_id, f"the batch could not be run: {exc}")
+                # The service's own faults name its files: the tenant gets the line, the log the rest.
+                why = exc.message if isinstance(exc, AnexError) else "an error in the service (its log has the details)"
+                self._fail(batch_id, f"the batch could not be run: {why}")
 
     def _check(self, batch_id: str) -> None:
+        cut = threading.Event()
+        with self._turn:  # before the record is read: a cancel from now on reaches the check
+            self._checking[batch_id] = cut
+        try:
+            self._check_input(batch_id, cut)
+        finally:
+            with self._turn:
+                del self._checking[batch_id]
+
+    def _check_input(self, batch_id: str, cut: threading.Event) -> None:
+        """Checks the batch's input as a job; a cancel (or the service closing) ends the check
+        between two chunks of rows: the batch is then cancelled (or checked again at the next start)."""
         record = self.store.batch(batch_id)
         if record is None or record.finished:
             return
         if record.cancelling_at is not None:
             self.store.update_batch(batch_id, cancelled_at=now())
             return
+
+        def stop() -> None:
+            if cut.is_set():
+                raise JobStopped(SERVICE_STOPPED if self._closing.is_set() else CANCELLED)
+
         try:
             job = self.runner.submit(
-                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options
+                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options, stop=stop
             )
+        except JobStopped:
+            if not self._closing.is_set():
+                self.store.update_batch(batch_id, cancelled_at=now())
+            return
         except JobRejected as exc:
             errors = [
                 BatchError(code=p.code, message=p.message, param=p.field, line=p.line)
@@ -196,6 +229,9 @@ class BatchWorker:
         if record is None or record.finished or record.job_id is None:
             return
         job = self.runner.storage.job(record.job_id)
+        if not job.exists():
+            self._check_again(record)
+            return
         model = record.model or job.manifest().model_name
         if not self._take_turn(batch_id, job, model):
             return
@@ -220,6 +256,17 @@ class BatchWorker:
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
             self.runner.run(job, shards=[], clear_stop=False)
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
+
+    def _check_again(self, record: BatchRecord) -> None:
+        """Takes up a batch whose job's folder was removed before it finished (while the service
+        was down, say): from its own copy of its input it is checked and run again from the start;
+        without that copy it fails."""
+        if not self.store.input_path(record.id).exists():
+            self._fail(record.id, LOST)
+            return
+        log.warning("batch %s: its job %s is gone; checking and running it again", record.id, record.job_id)
+        self.store.update_batch(record.id, job_id=None, in_progress_at=None)
+        self._checks.put(record.id)
 
     def _take_turn(self, batch_id: str, job: JobDir, model: str) -> bool:
         """Waits until no batch of another model runs (one engine holds one model at a time),
@@ -252,7 +299,10 @@ class BatchWorker:
 
     def _deliver(self, record: BatchRecord, job: JobDir, unrun: str | None) -> dict[str, Any]:
         """Writes rows with a response to the output file and rows with an error to the error
-        file; with ``unrun`` (an error code), every row that never ran is in the error file too."""
+        file; with ``unrun`` (an error code), every row that never ran is in the error file too.
+        Files an earlier delivery of the batch stored before the service died are removed first."""
+        for earlier in self.store.delivered_by(record):
+            self.store.remove_file(earlier)
         out_path = self.store.scratch(f"{record.id}_output.jsonl")
         err_path = self.store.scratch(f"{record.id}_error.jsonl")
         rows = {"output_file_id": 0, "error_file_id": 0}

@@ -301,6 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from anex_pipeline.batch_api.app import create_app
+    from anex_pipeline.engine.models import model_unavailable
 
     keys: list[str] | None = None
     if args.keys_file:
@@ -314,9 +315,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     media = _media_policy(args)
     if args.max_running_batches < 1:
         raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
+    models = args.models or []
+    if not args.base_url:  # a model server's models are its own
+        for name in models:
+            if why := model_unavailable(name):
+                raise UsageError(f"--model: {why}")
     runner = _runner(args)
     try:
-        app = create_app(runner, keys, media=media, max_running_batches=args.max_running_batches)
+        app = create_app(runner, keys, media=media, models=models, max_running_batches=args.max_running_batches)
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     with _ending_on_signals():

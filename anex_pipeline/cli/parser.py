@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="let batches fetch media from HOST, e.g. an internal image store (repeatable)",
     )
     srv.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        dest="models",
+        metavar="NAME",
+        help="a model batches may name (HF model id or local folder; repeatable); a batch that names none "
+        "runs the first (default: only the embedded models, each the default of its endpoint)",
+    )
+    srv.add_argument(
         "--max-running-batches",
         type=int,
         default=4,

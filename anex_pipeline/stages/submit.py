@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,14 +178,16 @@ def prepare_job(
     local_model: bool = True,
     s3_client: Any = None,
     options_file: Path | None = None,
+    stop: Callable[[], None] | None = None,
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
     s3:// ones), then writes the job's shards and manifest; raises JobRejected on problems.
 
     ``options_file``: the file the options were read from, if any, which the job must not write
-    over. Idempotent: a job whose manifest already exists for the same input content is reused as
-    it is, so reruns and resumes keep their checkpoints.
+    over. ``stop`` is called before each chunk of rows is checked: what it raises ends the check,
+    and the rows it had staged are removed. Idempotent: a job whose manifest already exists for
+    the same input content is reused as it is, so reruns and resumes keep their checkpoints.
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options)
@@ -216,8 +218,11 @@ def prepare_job(
     problem_count = len(found)
     total = 0
     out = module.Staging(staging)
+    checked = False
     try:
         for item in chunks:
+            if stop is not None:
+                stop()
             if isinstance(item, Problem):
                 problem_count += 1
                 if len(problems) < MAX_REPORTED_PROBLEMS:
@@ -226,8 +231,11 @@ def prepare_job(
             total += len(item)
             if problem_count == 0:
                 out.add(item)
+        checked = True
     finally:
         out.close()
+        if not checked:  # cut short: nothing of this check is kept
+            staging.unlink(missing_ok=True)
     if problem_count:
         staging.unlink(missing_ok=True)
         raise JobRejected(problems, total=problem_count)
