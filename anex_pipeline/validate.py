@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from anex_pipeline.media.refs import media_references, reference_problem
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
@@ -140,7 +141,7 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
             )
         )
     if endpoint == "chat":
-        problems += _check_messages(body.get("messages"))
+        problems += _check_messages(body.get("messages")) or _check_media(body)
     elif endpoint == "responses":
         problems += _check_responses_request(body)
     elif endpoint == "completions":
@@ -234,6 +235,21 @@ def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
             stack += [(f"{where}[{n}]", item) for n, item in reversed(list(enumerate(value)))]
 
 
+def deeper_than(value: Any, levels: int) -> bool:
+    """True when a JSON value nests lists and objects more than ``levels`` deep (the value itself,
+    if a list or an object, is the first level); walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > levels:
+            return True
+        stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
+    return False
+
+
 def _non_finite_message(value: float) -> str:
     return f"is not a finite number (it reads as {value!r}); write a finite number or remove it"
 
@@ -282,6 +298,16 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
         message = f"must be a string or a list of content parts, got {_kind(content)}"
         return [wrong_kind(f"{where}.content", content, message)]
     return []
+
+
+def _check_media(body: dict[str, Any]) -> list[FieldProblem]:
+    """The media URLs of a chat body that can never be used (another scheme than http(s) and
+    data:, no scheme, no host), found now rather than by the media stage after the job started."""
+    return [
+        FieldProblem(f"body.{ref.param}.{ref.type}", why)
+        for ref in media_references(body)
+        if (why := reference_problem(ref.url)) is not None
+    ]
 
 
 def _check_responses_request(body: dict[str, Any]) -> list[FieldProblem]:
@@ -348,7 +374,8 @@ def _check_input_part(part: Any, where: str) -> FieldProblem | None:
     if kind == IMAGE_PART:
         url = part.get("image_url")
         if isinstance(url, str):
-            return None
+            why = reference_problem(url)
+            return None if why is None else FieldProblem(f"{where}.image_url", why)
         message = "must be the image's URL (https: or data:) as a string; images by file_id are not supported"
         return wrong_kind(f"{where}.image_url", url, message)
     wanted = ", ".join((*TEXT_PARTS, IMAGE_PART))
