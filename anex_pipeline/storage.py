@@ -189,15 +189,17 @@ class StorageConfig(BaseModel):
 
     def local_input(self, uri: str, downloads: Path) -> Path:
         """The input as a local file: a path as it is, an s3:// object downloaded into a folder of
-        ``downloads`` named after the URI."""
+        ``downloads`` named after the URI (with the quick client: an endpoint that never answers
+        refuses the job as soon as the output probe would)."""
         if not is_s3(uri):
             return Path(uri).expanduser()
         folder = downloads / hashlib.sha256(uri.encode()).hexdigest()[:16]
-        return localize_input(uri, folder, self.s3_client())
+        return localize_input(uri, folder, self.s3_client(quick=True))
 
     def s3_client(self, quick: bool = False) -> Any:
         """A boto3 S3 client; ``quick`` bounds its timeouts and makes one attempt per call, for
-        checks at submit that must answer in seconds."""
+        what submit does before a job is accepted (the output probe, the input's download, whose
+        reads s3transfer still retries when a stream breaks) and must answer in seconds."""
         import boto3
         from botocore.config import Config
 
