@@ -59,7 +59,7 @@ FLAG_HELP: dict[str, str] = {
     "prompt_column": "Parquet column holding the prompt (default: messages, prompt, input or text)",
     "image_column": "Parquet column with an image for each row's prompt: a URL (http(s) or data:) "
     "or the image file's bytes (default: none)",
-    "system_prompt": "system message put before every Parquet row's prompt",
+    "system_prompt": "system message for every chat row without one (instructions for responses rows)",
     "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
 }
 
