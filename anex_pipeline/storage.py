@@ -29,7 +29,7 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-class FileTooLarge(ValueError):
+class FileTooLarge(AnexError):
     """A file holds more bytes than its reader takes."""
 
 
