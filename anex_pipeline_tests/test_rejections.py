@@ -418,6 +418,13 @@ CASES = [
         field="response_format",
         says=NESTED,
     ),
+    case("set-option-nested-5000-deep", jsonl_bytes(GOOD), flags=("--set", "stop=" + DEEP_5000.decode()), says=NESTED),
+    case(
+        "response-format-flag-nested-5000-deep",
+        jsonl_bytes(GOOD),
+        flags=("--response-format", DEEP_5000.decode()),
+        says=("--response-format", *NESTED),
+    ),
     case(
         "set-option-nested-too-deep",
         jsonl_bytes(GOOD),

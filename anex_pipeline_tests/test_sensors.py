@@ -382,17 +382,20 @@ def test_a_bad_local_sidecar_holds_back_only_its_own_input(
     deployment = local_deployment(tmp_path, instance)
     inbox = tmp_path / "inbox"
     inbox.mkdir()
-    for name in ("deep", "good", "huge"):
+    for name in ("deep", "good", "huge", "mid"):
         write_jsonl(inbox / f"{name}.jsonl", [chat_row("a", "hello")])
     (inbox / "deep.jsonl.job.json").write_bytes(DEEP_SIDECAR)
+    # 500 levels: json.loads reads it, but the daemon could not serialise the run request it makes
+    (inbox / "mid.jsonl.job.json").write_bytes(b'{"stop": ' + b"[" * 500 + b"]" * 500 + b"}")
     with (inbox / "huge.jsonl.job.json").open("wb") as f:
         f.truncate(1 << 40)  # a sparse terabyte: refused by its size, never read
 
     data = deployment.tick("local_inbox")
     assert [Path(c["input"]).name for c in submitted(data)] == ["good.jsonl"]
     told = refused_sidecars(capfd)
-    assert sorted(told) == ["deep.jsonl", "huge.jsonl"], told
+    assert sorted(told) == ["deep.jsonl", "huge.jsonl", "mid.jsonl"], told
     assert "nested more than 100 levels deep" in told["deep.jsonl"] and "\n" not in told["deep.jsonl"]
+    assert "option 'stop' is JSON nested more than 100 levels deep" in told["mid.jsonl"]
     assert f"holds {1 << 40:,} bytes" in told["huge.jsonl"]
 
     (inbox / "deep.jsonl.job.json").write_text('{"seed": 7}')

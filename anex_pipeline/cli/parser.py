@@ -272,12 +272,14 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _json_arg(flag: str, text: str) -> Any:
-    if text.startswith("@"):
-        from anex_pipeline.options import read_text_file
+    from anex_pipeline.options import NESTED_TOO_DEEP, read_text_file
 
+    if text.startswith("@"):
         text = read_text_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
+    except RecursionError:  # the reader gives up at about 1,000 levels
+        raise UsageError(f"{flag} {NESTED_TOO_DEEP}") from None
     except json.JSONDecodeError:
         if flag.startswith("--set"):
             return text  # a bare string value
