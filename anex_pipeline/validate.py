@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from anex_pipeline.media.refs import media_references, reference_problem
+from anex_pipeline.media.refs import part_reference, reference_problem
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
@@ -141,7 +141,7 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
             )
         )
     if endpoint == "chat":
-        problems += _check_messages(body.get("messages")) or _check_media(body)
+        problems += _check_messages(body.get("messages"))
     elif endpoint == "responses":
         problems += _check_responses_request(body)
     elif endpoint == "completions":
@@ -294,20 +294,14 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
         if isinstance(content, str):
             continue
         if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+            for p, part in enumerate(content):  # media URLs the media stage would never fetch
+                url = part_reference(part)
+                if url is not None and (why := reference_problem(url)) is not None:
+                    return [FieldProblem(f"{where}.content[{p}].{part['type']}", why)]
             continue
         message = f"must be a string or a list of content parts, got {_kind(content)}"
         return [wrong_kind(f"{where}.content", content, message)]
     return []
-
-
-def _check_media(body: dict[str, Any]) -> list[FieldProblem]:
-    """The media URLs of a chat body that can never be used (another scheme than http(s) and
-    data:, no scheme, no host), found now rather than by the media stage after the job started."""
-    return [
-        FieldProblem(f"body.{ref.param}.{ref.type}", why)
-        for ref in media_references(body)
-        if (why := reference_problem(ref.url)) is not None
-    ]
 
 
 def _check_responses_request(body: dict[str, Any]) -> list[FieldProblem]:

@@ -70,23 +70,28 @@ class MediaRef:
 
 
 def media_references(body: dict[str, Any]) -> list[MediaRef]:
-    """Every media reference in a chat body's content parts.
-
-    ``input_audio`` parts normally carry raw base64 (no reference); they count when their
-    ``data`` is a URL.
-    """
+    """Every media reference in a chat body's content parts."""
     refs = []
     for m, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in MEDIA_PARTS:
-                continue
-            value = part.get(kind)
-            if isinstance(value, dict):
-                value = value.get(MEDIA_PARTS[kind][0])
-            if isinstance(value, str) and (kind != "input_audio" or _SCHEME.match(value)):
-                refs.append(MediaRef(m, p, kind, value))
+            url = part_reference(part)
+            if url is not None:
+                refs.append(MediaRef(m, p, part["type"], url))
     return refs
+
+
+def part_reference(part: Any) -> str | None:
+    """The media URL a content part holds, or None. ``input_audio`` parts normally carry raw
+    base64 (no reference); they count when their ``data`` is a URL."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in MEDIA_PARTS:
+        return None
+    value = part.get(kind)
+    if isinstance(value, dict):
+        value = value.get(MEDIA_PARTS[kind][0])
+    if isinstance(value, str) and (kind != "input_audio" or _SCHEME.match(value)):
+        return value
+    return None
