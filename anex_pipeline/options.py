@@ -66,7 +66,7 @@ def sidecar_of(input_path: str | Path) -> Path:
 
 def options_from_json(text: str | bytes, where: str) -> dict[str, Any]:
     """The JSON object of job options in ``text``, read from ``where`` (named in the messages)."""
-    check_options_size(len(text), where)
+    check_options_size(len(text), where, "bytes" if isinstance(text, bytes) else "characters")
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -92,12 +92,12 @@ def too_deep_options(raw: dict[str, Any]) -> list[str]:
     return [name for name, value in raw.items() if deeper_than(value, MAX_OPTIONS_DEPTH - 1)]
 
 
-def check_options_size(size: int, where: str) -> None:
-    """Raises OptionsError for job options of more than MAX_OPTIONS_BYTES (bytes or characters),
-    so that a reader can refuse them before it reads them."""
+def check_options_size(size: int, where: str, unit: str = "bytes") -> None:
+    """Raises OptionsError for job options of more than MAX_OPTIONS_BYTES (bytes, or characters of
+    text already decoded), so that a reader can refuse them before it reads them."""
     if size > MAX_OPTIONS_BYTES:
         raise OptionsError(
-            f"{where} holds {size:,} bytes; job options take at most {MAX_OPTIONS_BYTES // (1024 * 1024)} MiB, "
+            f"{where} holds {size:,} {unit}; job options take at most {MAX_OPTIONS_BYTES // (1024 * 1024)} MiB, "
             "so shorten it (a long system_prompt or schema included)"
         )
 
