@@ -208,6 +208,18 @@ def test_the_job_system_prompt_is_kept_once_per_job_not_in_every_row(tmp_path: P
             assert got[row["custom_id"]].respond == {**row["body"], "instructions": own if n == 7 else prompt}
 
 
+def test_a_shard_staged_with_the_prompt_in_every_line_reads_the_same(tmp_path: Path) -> None:
+    options = JobOptions(system_prompt="Be kind.")
+    chat_body = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]}
+    respond_body = {"input": "hi", "instructions": "Be kind."}
+    for endpoint, body in (("chat", chat_body), ("responses", respond_body)):
+        shard = tmp_path / f"{endpoint}.jsonl"
+        shard.write_bytes(b'{"i":0,"key":"a","body":%b}\n' % msgspec.json.encode(body))
+        (row,) = jsonl.read_shard(shard, endpoint, options)  # type: ignore[arg-type]
+        assert (row.respond or row.body) == body
+        assert [m["content"] for m in row.body["messages"]] == ["Be kind.", "hi"]
+
+
 def test_shard_files_are_cut_right_at_any_block_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     staging = tmp_path / "staging"
     lines = [b'{"i":%d,"key":"%s"}\n' % (i, b"x" * (i % 13)) for i in range(100)]
