@@ -17,8 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import INVALID_JSON, INVALID_TYPE, INVALID_VALUE, JobOptions, JobRejected, Problem
-from anex_pipeline.storage import read_regular_file
+from anex_pipeline.storage import FileTooLarge, read_regular_file
 from anex_pipeline.validate import (
+    KIND_WORDS,
     NUMBER_FIELDS,
     FieldProblem,
     _check_fields,
@@ -26,10 +27,27 @@ from anex_pipeline.validate import (
     _non_finite,
     check_numbers,
     check_response_format,
+    deeper_than,
     pydantic_code,
 )
 
 SIDECAR_SUFFIX = ".job.json"  # <input>.job.json: the options that go with an input file
+# Job options are read whole and then travel in Dagster run configs: an options file, a sidecar or
+# an @file argument holds at most this many bytes (checked before it is read), and a value nests at
+# most this deep (Dagster's serialiser of run configs gives up at a few hundred levels of lists).
+MAX_OPTIONS_BYTES = 4 * 1024 * 1024
+MAX_OPTIONS_DEPTH = 100
+NESTED_TOO_DEEP = f"is JSON nested more than {MAX_OPTIONS_DEPTH} levels deep; flatten it"
+# pydantic's error types for a value of the wrong JSON kind, and the kind each one wants.
+_WANTED_KIND = {
+    "int_type": KIND_WORDS[int],
+    "float_type": KIND_WORDS[float],
+    "bool_type": KIND_WORDS[bool],
+    "string_type": KIND_WORDS[str],
+    "list_type": KIND_WORDS[list],
+    "dict_type": KIND_WORDS[dict],
+    "model_type": KIND_WORDS[dict],
+}
 
 
 class OptionsError(RejectedError):
@@ -48,6 +66,7 @@ def sidecar_of(input_path: str | Path) -> Path:
 
 def options_from_json(text: str | bytes, where: str) -> dict[str, Any]:
     """The JSON object of job options in ``text``, read from ``where`` (named in the messages)."""
+    check_options_size(len(text), where, "bytes" if isinstance(text, bytes) else "characters")
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -58,15 +77,40 @@ def options_from_json(text: str | bytes, where: str) -> dict[str, Any]:
         ) from None
     except UnicodeDecodeError as exc:
         raise OptionsError(f"{where} is not UTF-8 text (byte {exc.start + 1}); save it as UTF-8") from None
+    except RecursionError:  # the standard library's reader gives up at about 1,000 levels
+        raise OptionsError(f"{where} {NESTED_TOO_DEEP}", INVALID_JSON) from None
     if not isinstance(loaded, dict):
         raise OptionsError(f"{where} holds {_kind(loaded)}; job options must be one JSON object", INVALID_TYPE)
+    if deep := too_deep_options(loaded):
+        raise OptionsError(f"{where}: option '{deep[0]}' {NESTED_TOO_DEEP}", INVALID_VALUE)
     return loaded
+
+
+def too_deep_options(raw: dict[str, Any]) -> list[str]:
+    """The options whose values nest lists and objects deeper than MAX_OPTIONS_DEPTH allows (the
+    object of options being the first level)."""
+    return [name for name, value in raw.items() if deeper_than(value, MAX_OPTIONS_DEPTH - 1)]
+
+
+def check_options_size(size: int, where: str, unit: str = "bytes") -> None:
+    """Raises OptionsError for job options of more than MAX_OPTIONS_BYTES (bytes, or characters of
+    text already decoded), so that a reader can refuse them before it reads them."""
+    if size > MAX_OPTIONS_BYTES:
+        raise OptionsError(
+            f"{where} holds {size:,} {unit}; job options take at most {MAX_OPTIONS_BYTES // (1024 * 1024)} MiB, "
+            "so shorten it (a long system_prompt or schema included)"
+        )
 
 
 def read_text_file(path: str | Path, what: str) -> str:
     """The UTF-8 text of a regular file; a FIFO, device or folder is refused without waiting."""
     try:
-        return read_regular_file(path).decode("utf-8")
+        return read_regular_file(path, MAX_OPTIONS_BYTES).decode("utf-8")
+    except FileTooLarge as exc:
+        raise OptionsError(
+            f"{what} {exc}; job options take at most {MAX_OPTIONS_BYTES // (1024 * 1024)} MiB, so shorten it "
+            "(a long system_prompt or schema included)"
+        ) from None
     except OSError as exc:
         raise OptionsError(f"cannot read {what} {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -83,17 +127,13 @@ def read_options_file(path: str | Path, what: str = "options file") -> dict[str,
 def job_options(raw: dict[str, Any]) -> JobOptions:
     """The job options of a dict of option names and values (every source's layers merged), or
     raises JobRejected naming each bad option."""
+    if deep := too_deep_options(raw):
+        raise JobRejected([Problem(f"{NESTED_TOO_DEEP} (options)", field=name) for name in deep])
     _reject_numbers(raw)  # NaN would otherwise meet a bound's check first, with a puzzling message
     try:
         options = JobOptions.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "options"
-            msg = _unknown_option(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(Problem(f"{msg} (options)", field=loc, code=pydantic_code(err["type"])))
-        raise JobRejected(problems) from None
-    _reject_numbers(options.model_dump(exclude_none=True))  # values that were text, such as "inf"
+        raise JobRejected([_option_problem(err) for err in exc.errors()]) from None
     if options.shards is not None and options.shard_rows is not None:
         raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
     found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
@@ -111,6 +151,19 @@ def job_options(raw: dict[str, Any]) -> JobOptions:
         except ParserChoiceError as exc:
             raise JobRejected([Problem(f"{exc} (options)", field="reasoning_parser/tool_parser")]) from None
     return options
+
+
+def _option_problem(err: Any) -> Problem:
+    """A pydantic error of the options as a problem named by the option, worded as the rows' own
+    checks word it (``must be an integer, got a boolean``)."""
+    loc = ".".join(str(p) for p in err["loc"]) or "options"
+    if err["type"] == "extra_forbidden":
+        message = _unknown_option(err["loc"])
+    elif err["type"] in _WANTED_KIND:
+        message = f"must be {_WANTED_KIND[err['type']]}, got {_kind(err['input'])}"
+    else:
+        message = err["msg"]
+    return Problem(f"{message} (options)", field=loc, code=pydantic_code(err["type"]))
 
 
 def _as_options(found: list[FieldProblem]) -> list[Problem]:

@@ -38,7 +38,10 @@ MODEL_NOT_FOUND = "model_not_found"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown keys are refused, and every value must already be of its field's JSON kind, as in a
+    row's body: no ``true`` as a number, no ``"5"`` as an integer, no ``1.0`` as a count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class MediaOptions(_Strict):

@@ -29,14 +29,26 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def read_regular_file(path: str | Path) -> bytes:
-    """The bytes of a regular file. Anything else (a FIFO, a device, a folder) raises ValueError
-    at once: the file is opened non-blocking, so a FIFO with no writer is never waited on."""
+class FileTooLarge(AnexError):
+    """A file holds more bytes than its reader takes."""
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. Anything else (a FIFO, a device, a
+    folder) raises ValueError at once: the file is opened non-blocking, so a FIFO with no writer is
+    never waited on. A larger file raises FileTooLarge before it is read (and one that grows while
+    it is read, once ``limit`` bytes are in)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{path} is not a regular file (a FIFO, a device or a folder)")
-        return f.read()
+        if info.st_size > limit:
+            raise FileTooLarge(f"{path} holds {info.st_size:,} bytes, over the limit of {limit:,}")
+        data = f.read(limit + 1)
+        if len(data) > limit:
+            raise FileTooLarge(f"{path} holds more than {limit:,} bytes, the limit")
+        return data
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -177,15 +189,17 @@ class StorageConfig(BaseModel):
 
     def local_input(self, uri: str, downloads: Path) -> Path:
         """The input as a local file: a path as it is, an s3:// object downloaded into a folder of
-        ``downloads`` named after the URI."""
+        ``downloads`` named after the URI (with the quick client: an endpoint that never answers
+        refuses the job as soon as the output probe would)."""
         if not is_s3(uri):
             return Path(uri).expanduser()
         folder = downloads / hashlib.sha256(uri.encode()).hexdigest()[:16]
-        return localize_input(uri, folder, self.s3_client())
+        return localize_input(uri, folder, self.s3_client(quick=True))
 
     def s3_client(self, quick: bool = False) -> Any:
         """A boto3 S3 client; ``quick`` bounds its timeouts and makes one attempt per call, for
-        checks at submit that must answer in seconds."""
+        what submit does before a job is accepted (the output probe, the input's download, whose
+        reads s3transfer still retries when a stream breaks) and must answer in seconds."""
         import boto3
         from botocore.config import Config
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from anex_pipeline.media.refs import part_reference, reference_problem
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
@@ -234,6 +235,21 @@ def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
             stack += [(f"{where}[{n}]", item) for n, item in reversed(list(enumerate(value)))]
 
 
+def deeper_than(value: Any, levels: int) -> bool:
+    """True when a JSON value nests lists and objects more than ``levels`` deep (the value itself,
+    if a list or an object, is the first level); walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > levels:
+            return True
+        stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
+    return False
+
+
 def _non_finite_message(value: float) -> str:
     return f"is not a finite number (it reads as {value!r}); write a finite number or remove it"
 
@@ -278,6 +294,10 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
         if isinstance(content, str):
             continue
         if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+            for p, part in enumerate(content):  # media URLs the media stage would never fetch
+                url = part_reference(part)
+                if url is not None and (why := reference_problem(url)) is not None:
+                    return [FieldProblem(f"{where}.content[{p}].{part['type']}", why)]
             continue
         message = f"must be a string or a list of content parts, got {_kind(content)}"
         return [wrong_kind(f"{where}.content", content, message)]
@@ -348,7 +368,8 @@ def _check_input_part(part: Any, where: str) -> FieldProblem | None:
     if kind == IMAGE_PART:
         url = part.get("image_url")
         if isinstance(url, str):
-            return None
+            why = reference_problem(url)
+            return None if why is None else FieldProblem(f"{where}.image_url", why)
         message = "must be the image's URL (https: or data:) as a string; images by file_id are not supported"
         return wrong_kind(f"{where}.image_url", url, message)
     wanted = ", ".join((*TEXT_PARTS, IMAGE_PART))

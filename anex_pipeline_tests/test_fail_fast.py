@@ -4,10 +4,13 @@ fails its job once; a job where no row succeeded is not a success."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from anex_pipeline.engine import models, vllm_local
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
+from anex_pipeline.storage import output_problem
 from anex_pipeline_tests import fakes
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_batch_api import client, serving, submit, wait
@@ -227,6 +231,53 @@ def test_run_and_validate_read_an_s3_input(
     assert main(["validate", "s3://inputs/jobs/absent.jsonl"]) == 2
     err = capsys.readouterr().err
     assert "s3://inputs/jobs/absent.jsonl" in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def silent_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An S3 endpoint on loopback that accepts every connection and never answers."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "test-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "NO_PROXY": "127.0.0.1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    yield endpoint
+    done.set()
+    thread.join(timeout=5)
+    for conn in [*held, listener]:
+        conn.close()
+
+
+def test_an_s3_input_on_a_silent_endpoint_gives_up_as_soon_as_the_output_probe(
+    silent_endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    assert output_problem("s3://results/out.jsonl", StorageResource().s3_client(quick=True)) is not None
+    probe_s = time.monotonic() - started
+    started = time.monotonic()
+    assert main(["validate", "s3://inputs/jobs/in.jsonl"]) == 2
+    input_s = time.monotonic() - started
+    err = capsys.readouterr().err
+    problem = err.splitlines()[-1]
+    assert err.splitlines()[0] == "job rejected: 1 problem(s) found" and len(err.splitlines()) == 2, err
+    assert "cannot read the input s3://inputs/jobs/in.jsonl" in problem and "timeout" in problem.lower(), err
+    assert input_s < probe_s + 5, (input_s, probe_s)  # boto3's own defaults took 182 s
 
 
 # -- the outcome -----------------------------------------------------------------------------------

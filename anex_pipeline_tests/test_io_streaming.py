@@ -183,6 +183,43 @@ def test_jsonl_bodies_pass_through_as_the_full_check_reads_them(tmp_path: Path) 
             assert got[request["custom_id"]] == body
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_the_job_system_prompt_is_kept_once_per_job_not_in_every_row(tmp_path: Path, endpoint: str) -> None:
+    prompt = "Answer in French, briefly and politely. " * 10_000  # 390 KB
+    own = "be brief"
+    if endpoint == "chat":
+        rows = [chat_row(f"r{i}", f"question {i}") for i in range(60)]
+        rows[7]["body"]["messages"].insert(0, {"role": "system", "content": own})
+    else:
+        rows = [{"custom_id": f"r{i}", "url": "/v1/responses", "body": {"input": f"question {i}"}} for i in range(60)]
+        rows[7]["body"]["instructions"] = own
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = prepare_job(src, str(tmp_path / "out.jsonl"), JobOptions(system_prompt=prompt, shards=3), tmp_path / "w")
+
+    stored = sum(p.stat().st_size for p in job.root.rglob("*") if p.is_file())
+    assert stored < len(prompt) * 1.1, stored  # the manifest's options hold it once; no shard holds it
+    assert job.manifest().job_options().system_prompt == prompt
+    got = {r.key: r for shard in range(3) for r in job.read_requests(shard)}
+    assert len(got) == 60
+    for n, row in enumerate(rows):
+        first = got[row["custom_id"]].body["messages"][0]
+        assert first == {"role": "system", "content": own if n == 7 else prompt}
+        if endpoint == "responses":  # the Responses object shows the instructions the row ran with
+            assert got[row["custom_id"]].respond == {**row["body"], "instructions": own if n == 7 else prompt}
+
+
+def test_a_shard_staged_with_the_prompt_in_every_line_reads_the_same(tmp_path: Path) -> None:
+    options = JobOptions(system_prompt="Be kind.")
+    chat_body = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]}
+    respond_body = {"input": "hi", "instructions": "Be kind."}
+    for endpoint, body in (("chat", chat_body), ("responses", respond_body)):
+        shard = tmp_path / f"{endpoint}.jsonl"
+        shard.write_bytes(b'{"i":0,"key":"a","body":%b}\n' % msgspec.json.encode(body))
+        (row,) = jsonl.read_shard(shard, endpoint, options)  # type: ignore[arg-type]
+        assert (row.respond or row.body) == body
+        assert [m["content"] for m in row.body["messages"]] == ["Be kind.", "hi"]
+
+
 def test_shard_files_are_cut_right_at_any_block_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     staging = tmp_path / "staging"
     lines = [b'{"i":%d,"key":"%s"}\n' % (i, b"x" * (i % 13)) for i in range(100)]

@@ -84,6 +84,30 @@ def case(case_id: str, content: Any, **kw: Any) -> Any:
 
 GOOD = chat("ok-1")
 DEEP = b"[" * 100_000
+DEEP_5000 = b"[" * 5000 + b"]" * 5000
+BOOL = ("got a boolean",)
+NESTED = ("nested more than 100 levels",)
+
+
+def nested_schema(levels: int) -> dict[str, Any]:
+    """A JSON schema of objects inside objects, ``levels`` deep."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def image_row(cid: str, url: str) -> dict[str, Any]:
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"custom_id": cid, "body": {"messages": [{"role": "user", "content": parts}]}}
+
+
+def input_image_row(cid: str, url: str) -> dict[str, Any]:
+    parts = [{"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": url}]
+    return {"custom_id": cid, "url": "/v1/responses", "body": {"input": [{"role": "user", "content": parts}]}}
+
+
+IMAGE_FIELD = "body.messages[0].content[1].image_url"
 SEVERAL = ["one text", "another text"]
 
 CASES = [
@@ -298,6 +322,66 @@ CASES = [
         field="body.logprobs",
         says=("not supported",),
     ),
+    # --- media URLs that can never be fetched ----------------------------------------------------
+    case(
+        "image-file-url",
+        jsonl_bytes(GOOD, image_row("r2", "file:///etc/passwd")),
+        line=2,
+        field=IMAGE_FIELD,
+        says=("not file: URLs",),
+    ),
+    case(
+        "image-javascript-url",
+        jsonl_bytes(GOOD, image_row("r2", "javascript:alert(1)")),
+        line=2,
+        field=IMAGE_FIELD,
+        says=("not javascript: URLs",),
+    ),
+    case(
+        "image-ftp-url",
+        jsonl_bytes(GOOD, image_row("r2", "ftp://files.example.com/a.png")),
+        line=2,
+        field=IMAGE_FIELD,
+        says=("not ftp: URLs",),
+    ),
+    case(
+        "image-url-without-scheme",
+        jsonl_bytes(GOOD, image_row("r2", "images.example.com/a.png")),
+        line=2,
+        field=IMAGE_FIELD,
+        says=("without a scheme",),
+    ),
+    case(
+        "image-url-without-host",
+        jsonl_bytes(GOOD, image_row("r2", "https:///a.png")),
+        line=2,
+        field=IMAGE_FIELD,
+        says=("names no host",),
+    ),
+    case(
+        "audio-url-file",
+        jsonl_bytes(
+            GOOD,
+            {
+                "custom_id": "r2",
+                "body": {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "file:///a.wav"}}]}
+                    ]
+                },
+            },
+        ),
+        line=2,
+        field="body.messages[0].content[0].audio_url",
+        says=("not file: URLs",),
+    ),
+    case(
+        "responses-input-image-file-url",
+        jsonl_bytes(input_image_row("r1", "https://images.example.com/a.png"), input_image_row("r2", "file:///x")),
+        line=2,
+        field="body.input[0].content[1].image_url",
+        says=("not file: URLs",),
+    ),
     # --- job options ----------------------------------------------------------------------------
     case("option-seed-beyond-64-bits", jsonl_bytes(GOOD), options={"seed": 2**64 + 5}, field="seed"),
     case("flag-seed-beyond-64-bits", jsonl_bytes(GOOD), flags=("--seed", "18446744073709551621"), field="seed"),
@@ -313,6 +397,40 @@ CASES = [
         jsonl_bytes(GOOD),
         options=b'{"media": {"timeout_s": Infinity}}',
         field="media.timeout_s",
+    ),
+    case("set-max-tokens-true", jsonl_bytes(GOOD), flags=("--set", "max_tokens=true"), field="max_tokens", says=BOOL),
+    case("option-temperature-true", jsonl_bytes(GOOD), options={"temperature": True}, field="temperature", says=BOOL),
+    case("option-seed-false", jsonl_bytes(GOOD), options={"seed": False}, field="seed", says=BOOL),
+    case("option-shards-a-string", jsonl_bytes(GOOD), options={"shards": "2"}, field="shards", says=("a string",)),
+    case(
+        "option-media-bytes-true",
+        jsonl_bytes(GOOD),
+        options={"media": {"max_bytes": True}},
+        field="media.max_bytes",
+        says=BOOL,
+    ),
+    case("option-reuse-answers-one", jsonl_bytes(GOOD), options={"reuse_answers": 1}, field="reuse_answers"),
+    case("options-nested-5000-deep", jsonl_bytes(GOOD), options=b'{"stop": ' + DEEP_5000 + b"}", says=NESTED),
+    case(
+        "option-schema-nested-too-deep",
+        jsonl_bytes(GOOD),
+        options={"response_format": schema_format({"name": "n", "schema": nested_schema(150)})},
+        field="response_format",
+        says=NESTED,
+    ),
+    case("set-option-nested-5000-deep", jsonl_bytes(GOOD), flags=("--set", "stop=" + DEEP_5000.decode()), says=NESTED),
+    case(
+        "response-format-flag-nested-5000-deep",
+        jsonl_bytes(GOOD),
+        flags=("--response-format", DEEP_5000.decode()),
+        says=("--response-format", *NESTED),
+    ),
+    case(
+        "set-option-nested-too-deep",
+        jsonl_bytes(GOOD),
+        flags=("--set", "stop=" + "[" * 300 + "]" * 300),
+        field="stop",
+        says=NESTED,
     ),
     case("unknown-option", jsonl_bytes(GOOD), options={"max_tokenz": 5}, field="max_tokenz", says=("max_tokens",)),
     case("options-not-json", jsonl_bytes(GOOD), options=b"max_tokens: 5\n", says=("not valid JSON",)),
@@ -524,6 +642,15 @@ CASES = [
         options={"image_column": "picture"},
         field="image_column",
         says=("embeddings job",),
+    ),
+    case(
+        "parquet-image-column-file-url",
+        parquet_writer({"prompt": ["a", "b"], "picture": ["https://images.example.com/a.png", "file:///etc/passwd"]}),
+        name="in.parquet",
+        options={"image_column": "picture"},
+        line=2,
+        field="picture",
+        says=("not file: URLs", "data: URL"),
     ),
     case(
         "parquet-input-and-text",

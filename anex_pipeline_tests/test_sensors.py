@@ -23,6 +23,7 @@ from moto.server import ThreadedMotoServer
 
 from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.options import MAX_OPTIONS_BYTES
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
@@ -283,6 +284,39 @@ def test_s3_file_to_result_under_the_output_prefix(bucket: Callable[..., Any]) -
     assert report["request_counts"]["total"] == 5 and report["request_counts"]["completed"] == 5
 
 
+DEEP_SIDECAR = b'{"stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # about 10 KB
+
+
+def refused_sidecars(capfd: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """The inputs the sensor's log said it did not submit for their sidecar, with the message."""
+    lines = capfd.readouterr().err.splitlines()
+    told = [line.split(" - ERROR - ", 1)[1] for line in lines if " - ERROR - " in line]
+    return {Path(line.split(" ", 1)[0]).name: line for line in told if "is not submitted" in line}
+
+
+def test_a_bad_s3_sidecar_holds_back_only_its_own_input(
+    bucket: Callable[..., Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    deployment, client = bucket()
+    body = jsonl_bytes([chat_row("a", "hello")])
+    for name in ("deep", "good", "huge"):
+        client.put_object(Bucket=BUCKET, Key=f"in/{name}.jsonl", Body=body)
+    client.put_object(Bucket=BUCKET, Key="in/deep.jsonl.job.json", Body=DEEP_SIDECAR)
+    client.put_object(Bucket=BUCKET, Key="in/huge.jsonl.job.json", Body=b" " * (MAX_OPTIONS_BYTES + 1))
+
+    data = deployment.tick("s3_inbox")
+    assert [Path(c["input"]).name for c in submitted(data)] == ["good.jsonl"]
+    told = refused_sidecars(capfd)
+    assert sorted(told) == ["deep.jsonl", "huge.jsonl"], told
+    assert "nested more than 100 levels deep" in told["deep.jsonl"]
+    assert f"holds {MAX_OPTIONS_BYTES + 1:,} bytes" in told["huge.jsonl"] and "at most 4 MiB" in told["huge.jsonl"]
+
+    client.put_object(Bucket=BUCKET, Key="in/deep.jsonl.job.json", Body=b'{"seed": 7}')
+    assert [(Path(c["input"]).name, c["options"]) for c in submitted(deployment.tick("s3_inbox"))] == [
+        ("deep.jsonl", {"seed": 7})
+    ]
+
+
 def test_keys_that_would_share_a_result_key_are_refused_once_in_the_tick_log(
     bucket: Callable[..., Any], capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -340,6 +374,34 @@ def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.D
     assert all(r["output"] and r["error_type"] is None for r in table)
     report = json.loads((tmp_path / "outbox" / "team" / "chat.results.report.json").read_text())
     assert report["status"] == "completed" and report["request_counts"]["completed"] == len(source)
+
+
+def test_a_bad_local_sidecar_holds_back_only_its_own_input(
+    tmp_path: Path, instance: dg.DagsterInstance, capfd: pytest.CaptureFixture[str]
+) -> None:
+    deployment = local_deployment(tmp_path, instance)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    for name in ("deep", "good", "huge", "mid"):
+        write_jsonl(inbox / f"{name}.jsonl", [chat_row("a", "hello")])
+    (inbox / "deep.jsonl.job.json").write_bytes(DEEP_SIDECAR)
+    # 500 levels: json.loads reads it, but the daemon could not serialise the run request it makes
+    (inbox / "mid.jsonl.job.json").write_bytes(b'{"stop": ' + b"[" * 500 + b"]" * 500 + b"}")
+    with (inbox / "huge.jsonl.job.json").open("wb") as f:
+        f.truncate(1 << 40)  # a sparse terabyte: refused by its size, never read
+
+    data = deployment.tick("local_inbox")
+    assert [Path(c["input"]).name for c in submitted(data)] == ["good.jsonl"]
+    told = refused_sidecars(capfd)
+    assert sorted(told) == ["deep.jsonl", "huge.jsonl", "mid.jsonl"], told
+    assert "nested more than 100 levels deep" in told["deep.jsonl"] and "\n" not in told["deep.jsonl"]
+    assert "option 'stop' is JSON nested more than 100 levels deep" in told["mid.jsonl"]
+    assert f"holds {1 << 40:,} bytes" in told["huge.jsonl"]
+
+    (inbox / "deep.jsonl.job.json").write_text('{"seed": 7}')
+    assert [(Path(c["input"]).name, c["options"]) for c in submitted(deployment.tick("local_inbox"))] == [
+        ("deep.jsonl", {"seed": 7})
+    ]
 
 
 def test_local_inbox_takes_each_file_once_and_a_changed_file_again(

@@ -59,7 +59,7 @@ FLAG_HELP: dict[str, str] = {
     "prompt_column": "Parquet column holding the prompt (default: messages, prompt, input or text)",
     "image_column": "Parquet column with an image for each row's prompt: a URL (http(s) or data:) "
     "or the image file's bytes (default: none)",
-    "system_prompt": "system message put before every Parquet row's prompt",
+    "system_prompt": "system message for every chat row without one (instructions for responses rows)",
     "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
 }
 
@@ -281,12 +281,14 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _json_arg(flag: str, text: str) -> Any:
-    if text.startswith("@"):
-        from anex_pipeline.options import read_text_file
+    from anex_pipeline.options import NESTED_TOO_DEEP, read_text_file
 
+    if text.startswith("@"):
         text = read_text_file(text[1:], f"{flag} file")
     try:
         return json.loads(text)
+    except RecursionError:  # the reader gives up at about 1,000 levels
+        raise UsageError(f"{flag} {NESTED_TOO_DEEP}") from None
     except json.JSONDecodeError:
         if flag.startswith("--set"):
             return text  # a bare string value

@@ -164,7 +164,6 @@ def read_chunks(
     index = 0
     chunk: list[bytes] = []
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
-    prompt = options.system_prompt if endpoint in ("chat", "responses") else None
     with path.open("rb") as f:
         head = f.read(4)
         if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
@@ -177,7 +176,7 @@ def read_chunks(
         for number, raw in _Lines(f):
             if number == 1 and raw is not None:
                 raw = raw.removeprefix(_UTF8_BOM)
-            line = _fast_line(raw, own_urls, endpoint, model_names, prompt)
+            line = _fast_line(raw, own_urls, endpoint, model_names)
             if line is not None:
                 ids.add(line[0], number)
                 chunk.append(_shard_line(index, *line))
@@ -203,8 +202,7 @@ def read_chunks(
                 yield from problems
                 continue
             ids.add(value["custom_id"], number)
-            body = msgspec.json.encode(_apply_job_prompt(value["body"], endpoint, options))
-            chunk.append(_shard_line(index, value["custom_id"], body))
+            chunk.append(_shard_line(index, value["custom_id"], msgspec.json.encode(value["body"])))
             index += 1
     if chunk:
         yield chunk
@@ -259,11 +257,10 @@ def _fast_line(
     own_urls: set[str],
     endpoint: Endpoint,
     model_names: frozenset[str],
-    system_prompt: str | None,
 ) -> tuple[str, bytes] | None:
-    """(custom_id, body as JSON) for a line that passes every check and needs no change to its
-    body; None when the line must go the full way (it may still be good)."""
-    if raw is None or system_prompt:
+    """(custom_id, body as JSON) for a line that passes every check; None when the line must go
+    the full way (it may still be good)."""
+    if raw is None:
         return None
     try:
         request = _decode_request(raw)
@@ -284,15 +281,16 @@ def _fast_line(
 
 
 def chunk_rows(chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """The rows of a chunk of shard lines (the lines hold whole bodies: ``endpoint`` and ``options``
-    are for the Parquet reader, which builds them)."""
+    """The rows of a chunk of shard lines, with the job's system prompt applied."""
     for line in chunk:
-        yield shard_row(line)
+        yield shard_row(line, endpoint, options)
 
 
-def shard_row(line: bytes | str) -> InputRow:
+def shard_row(line: bytes | str, endpoint: Endpoint, options: JobOptions) -> InputRow:
+    """A row of a shard line: its body as the input wrote it, with the job's system prompt applied
+    (the prompt is kept once, in the job's options, not in every staged line)."""
     rec = msgspec.json.decode(line)
-    return InputRow(index=rec["i"], key=rec["key"], body=rec["body"])
+    return InputRow(index=rec["i"], key=rec["key"], body=_apply_job_prompt(rec["body"], endpoint, options))
 
 
 def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], number: int) -> list[Problem]:
@@ -329,7 +327,8 @@ def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], num
 
 def _apply_job_prompt(body: dict[str, Any], endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
     """Prepends the job's system_prompt to a chat row that has no system message of its own, and
-    gives it as instructions to a responses row that has none."""
+    gives it as instructions to a responses row that has none. A row that already has one (a shard
+    staged with the prompt in every line, by an earlier version) is left as it is."""
     if endpoint == "responses" and options.system_prompt and not body.get("instructions"):
         return {**body, "instructions": options.system_prompt}
     if endpoint != "chat" or not options.system_prompt:
@@ -391,11 +390,11 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
 
 
 def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, as prepared (the job's options are already applied; a /v1/responses row
-    comes as the chat row it means)."""
+    """A shard's rows, with the job's system prompt applied (a /v1/responses row comes as the chat
+    row it means)."""
     with path.open("rb") as f:
         for line in f:
-            row = shard_row(line)
+            row = shard_row(line, endpoint, options)
             yield responses.chat_row(row) if endpoint == "responses" else row
 
 

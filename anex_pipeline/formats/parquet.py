@@ -247,7 +247,7 @@ def _checked_rows(
                 seen[key] = number
         try:
             body = request_body(prompt, endpoint, options, picture)
-        except ValueError as exc:  # the image's bytes are of no image type
+        except ValueError as exc:  # image bytes of no image type, or a URL that can never be used
             problems.append(Problem(str(exc), number, options.image_column, INVALID_VALUE))
         else:
             found = _problems(prompt, body, column, endpoint, model_names)

@@ -44,7 +44,7 @@ from anex_pipeline.media.guard import (
     _Refused,
     allowed_endpoints,
 )
-from anex_pipeline.media.refs import MediaRef
+from anex_pipeline.media.refs import MediaRef, fetch_problem
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.spec import MediaOptions
 
@@ -431,9 +431,5 @@ def _phrase(status: int) -> str:
 
 
 def _check_scheme(url: str, hop: str) -> None:
-    parts = urlsplit(hop)
-    if parts.scheme.lower() not in ("http", "https"):
-        scheme = f"{parts.scheme}: URLs" if parts.scheme else "a URL without a scheme"
-        raise MediaFetchError(url, f"only http and https URLs are fetched, not {scheme}", hop=hop)
-    if not parts.hostname:
-        raise MediaFetchError(url, "the URL names no host", hop=hop)
+    if (why := fetch_problem(hop)) is not None:
+        raise MediaFetchError(url, why, hop=hop)

@@ -126,7 +126,7 @@ def validated_input(
     if config.input:
         if not config.output:
             raise dg.Failure("set 'output' in the run config: where the result file goes")
-        s3 = storage.s3_client() if config.input.startswith("s3://") else None
+        s3 = storage.s3_client(quick=True) if config.input.startswith("s3://") else None
         try:
             local = localize_input(config.input, job.root / layout.INPUT_DIR, s3)
             options = job_options(config.options.model_dump())

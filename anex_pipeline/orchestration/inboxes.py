@@ -20,7 +20,15 @@ from dagster_aws.s3 import S3Resource
 from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
-from anex_pipeline.options import SIDECAR_SUFFIX, OptionsError, options_from_json, read_text_file, sidecar_of
+from anex_pipeline.options import (
+    MAX_OPTIONS_BYTES,
+    SIDECAR_SUFFIX,
+    OptionsError,
+    check_options_size,
+    options_from_json,
+    read_text_file,
+    sidecar_of,
+)
 from anex_pipeline.orchestration.assets import validated_input
 from anex_pipeline.orchestration.jobs import submit_job
 from anex_pipeline.orchestration.partitions import JOBS, job_partitions
@@ -207,13 +215,15 @@ def s3_inbox(
         return dg.SkipReason("no bucket is configured: set ANEX_S3_BUCKET (or the s3_inbox_settings resource)")
     client = s3.get_client()
     objects = get_objects(settings.bucket, settings.prefix, client=client)
-    keys = {obj["Key"] for obj in objects}
+    sizes = {obj["Key"]: obj["Size"] for obj in objects}
 
     def read_sidecar(arrival: Arrival) -> bytes | None:
         key = arrival.uri.removeprefix(f"s3://{settings.bucket}/") + SIDECAR_SUFFIX
-        if key not in keys:
+        if key not in sizes:
             return None
-        return client.get_object(Bucket=settings.bucket, Key=key)["Body"].read()
+        check_options_size(sizes[key], arrival.uri + SIDECAR_SUFFIX)  # before it is downloaded
+        body = client.get_object(Bucket=settings.bucket, Key=key)["Body"]
+        return body.read(MAX_OPTIONS_BYTES + 1)  # rewritten larger since the listing: refused when parsed
 
     where = f"s3://{settings.bucket}/{settings.prefix}"
     return take_new(context, bucket_arrivals(objects, settings), settings, read_sidecar, where)

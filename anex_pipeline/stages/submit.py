@@ -56,13 +56,15 @@ def default_report_path(output: str) -> str:
 def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
     """How many shards a job of ``total`` rows gets: ``shards`` when set, else enough for at most
     ``shard_rows`` rows each, else enough for neither ``ROWS_PER_SHARD`` rows nor
-    ``TOKENS_PER_SHARD`` estimated tokens to be exceeded; never more shards than rows."""
+    ``TOKENS_PER_SHARD`` estimated tokens to be exceeded (the job's system prompt, kept once in
+    its options, counts for every row); never more shards than rows."""
     if options.shards is not None:
         count = options.shards
     elif options.shard_rows is not None:
         count = math.ceil(total / options.shard_rows)
     else:
-        tokens = staged_bytes / BYTES_PER_TOKEN + total * (options.max_tokens or OUTPUT_TOKENS_GUESS)
+        prompt_bytes = staged_bytes + total * len((options.system_prompt or "").encode("utf-8", "surrogatepass"))
+        tokens = prompt_bytes / BYTES_PER_TOKEN + total * (options.max_tokens or OUTPUT_TOKENS_GUESS)
         count = max(math.ceil(total / ROWS_PER_SHARD), math.ceil(tokens / TOKENS_PER_SHARD))
     return max(1, min(count, total))
 
