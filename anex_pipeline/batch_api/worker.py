@@ -175,7 +175,10 @@ class BatchWorker:
             return
         try:
             job = self.runner.submit(
-                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options
+                str(self.store.input_path(batch_id)),
+                str(self.store.output_path(batch_id)),
+                record.options,
+                results_in=self.store.root,
             )
         except JobRejected as exc:
             errors = [
