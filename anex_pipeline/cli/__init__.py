@@ -82,11 +82,13 @@ _interrupts = {"seen": 0}
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
-    """SIGINT while no job generates: the first raises KeyboardInterrupt; a later one, which would
-    land wherever the first is being unwound (a clean-up of Dagster's or SQLAlchemy's, the exit
-    handlers) and print a traceback there, ends the process at once."""
+    """SIGINT while no job generates: the first raises KeyboardInterrupt; a later one (or one after
+    a Ctrl-C during generation already stopped the job), which would land wherever the first is
+    being unwound (a clean-up of Dagster's or SQLAlchemy's, the exit handlers) and print a
+    traceback there, ends the process at once."""
     _interrupts["seen"] += 1
-    if _interrupts["seen"] == 1:
+    stopping = sys.modules.get("anex_pipeline.stopping")  # loaded by every command that runs a job
+    if _interrupts["seen"] == 1 and not (stopping is not None and stopping.stop_asked_here()):
         raise KeyboardInterrupt
     with contextlib.suppress(OSError, ValueError):
         os.write(sys.stderr.fileno(), b"stopped at once; rerun the same command to resume\n")
@@ -94,8 +96,10 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 def _quiet_interrupts(unraisable: sys.UnraisableHookArgs) -> None:
-    """Python's report of an exception it cannot raise (one in a garbage collector's callback),
-    except for a KeyboardInterrupt that arrived there: the interrupt is lost either way, and the
-    next Ctrl-C ends the command."""
-    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+    """Python's report of an exception it cannot raise (one in a garbage collector's callback or
+    an exit handler), except for an interrupt that arrived there (a KeyboardInterrupt, or Dagster's
+    form of it during a run): the interrupt is lost either way, and the next Ctrl-C ends the command."""
+    dagster_errors = sys.modules.get("dagster._core.errors")
+    interrupts = (KeyboardInterrupt, *([dagster_errors.DagsterExecutionInterruptedError] if dagster_errors else []))
+    if not isinstance(unraisable.exc_value, interrupts):
         sys.__unraisablehook__(unraisable)
