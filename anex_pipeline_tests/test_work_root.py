@@ -68,9 +68,9 @@ def other_data(work: Path) -> dict[str, Path]:
     """Folders that are not jobs, each with a file in it: the work root's own folders with what
     the product keeps there, and someone else's data (one folder with a job.json of its own)."""
     folders = {
-        layout.BATCH_API_DIR: "files/file-abc",
-        layout.LOGS_DIR: "run-1.log",
-        layout.INPUTS_DIR: "0123/in.jsonl",
+        "batch-api": "files/file-abc",
+        "logs": "run-1.log",
+        "inputs": "0123/in.jsonl",
         "photos": "cat.jpg",
         "notes": layout.MANIFEST,
     }
@@ -90,10 +90,10 @@ def test_delete_refuses_every_folder_that_is_not_a_job(
     work = tmp_path / "work"
     data = other_data(work)
     # The exact case found: the Batch API's folder, through the installed command in its own process.
-    done = anex_process(tmp_path, "delete", layout.BATCH_API_DIR)
+    done = anex_process(tmp_path, "delete", "batch-api")
     assert done.returncode == 2, done.stderr
-    assert done.stderr == f"error: {layout.BATCH_API_DIR} is the Batch API's folder of the work root, not a job; " + (
-        "`anex-pipeline list` shows the jobs\n"
+    assert done.stderr == (
+        "error: batch-api is the Batch API's folder of the work root, not a job; `anex-pipeline list` shows the jobs\n"
     )
     for name in data:
         code, _, err = anex(capsys, "delete", name)
