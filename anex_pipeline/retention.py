@@ -173,8 +173,13 @@ def _job_folders(work_root: Path, on_skip: OnSkip) -> Iterator[JobDir]:
     """The jobs of the work root whose folders can be read as theirs; the others go to ``on_skip``."""
     try:
         children = sorted(os.listdir(work_root))
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):  # no job has run with this work root yet
         return
+    except OSError as exc:
+        raise RejectedError(
+            f"cannot read the work root {work_root}: {exc.strerror or exc}; make it readable, or set "
+            "ANEX_WORK_DIR (or --work-dir) to the folder the jobs ran with"
+        ) from None
     for name in children:
         try:
             job = JobDir(work_root, name)

@@ -171,7 +171,14 @@ def test_bad_job_folders_are_skipped_and_reported_and_the_rest_go_on(
         pruned = anex_process(tmp_path, "prune", "--older-than", "7d", prefix=no_override)
         assert pruned.returncode == 0 and pruned.stdout == f"removed job {fine}: last active 8.0d ago\n", pruned
         assert len(pruned.stderr.splitlines()) == 3 and "Traceback" not in pruned.stderr
+        work.chmod(0)  # the work root itself unreadable: one line, not a traceback
+        listed = anex_process(tmp_path, "list", prefix=no_override)
+        assert listed.returncode == 2 and listed.stderr.splitlines() == [
+            f"error: cannot read the work root {work}: Permission denied; make it readable, or set ANEX_WORK_DIR "
+            "(or --work-dir) to the folder the jobs ran with"
+        ], listed.stderr
     finally:
+        work.chmod(0o755)
         (work / locked).chmod(0o755)
     assert not (work / fine).exists() and all((work / job).exists() for job in (cut, locked, linked))
 
