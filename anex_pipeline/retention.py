@@ -223,8 +223,8 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
     the job of an unfinished Batch API batch."""
     folder = os.path.lexists(job.root)
     known = instance.has_dynamic_partition(JOBS, job.job_id)
-    if folder and (why := folder_problem(job)) is not None and not (known and _holds_only_lease(job)):
-        raise NotAJob(f"{job.root} {why}, so it is not deleted; `anex-pipeline list` shows the jobs")
+    if folder:
+        _refuse_unless_the_jobs(job, known)  # before the lease, which writes in the folder
     if not folder and not known:
         raise NotAJob(f"no job {job.job_id} under {job.root.parent}; `anex-pipeline list` shows the jobs")
     if (batch := waiting_batches(Store(instance, job.root.parent)).get(job.job_id)) is not None:
@@ -240,6 +240,8 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
             f"job {job.job_id} is being run by an anex-pipeline process; stop it (Ctrl-C) or wait for it to end"
         )
     try:
+        if folder:
+            _refuse_unless_the_jobs(job, known)  # it may have changed while the lease was taken
         count = len(job.manifest().shards) if job.exists() else None
         known_shards = count if count is not None else len(shard_keys_on(instance, job.job_id))
         for run in runs_of_job(instance, job.job_id, known_shards):
@@ -250,6 +252,13 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
     finally:
         if lease is not None:
             lease.close()
+
+
+def _refuse_unless_the_jobs(job: JobDir, known: bool) -> None:
+    """Raises NotAJob unless the job's folder is its own (see :func:`folder_problem`), or, for a
+    job the instance knows, a folder holding nothing but its lease."""
+    if (why := folder_problem(job)) is not None and not (known and _holds_only_lease(job)):
+        raise NotAJob(f"{job.root} {why}, so it is not deleted; `anex-pipeline list` shows the jobs")
 
 
 def _holds_only_lease(job: JobDir) -> bool:
