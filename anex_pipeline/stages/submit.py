@@ -147,6 +147,7 @@ def check_destinations(
     read += [("the options file", Path(options_file))] if options_file is not None else []
     problems = []
     written: list[tuple[str, Path]] = []
+    in_work_root = False
     for flag, dest in (("output", output), ("report", report)):
         if is_s3(dest):
             continue
@@ -161,14 +162,15 @@ def check_destinations(
                 Problem(f"{dest} exists and is not a regular file (a folder or FIFO); name a file", field=flag)
             )
         elif work_root is not None and _inside(target, work_root) and not (results_in and _inside(target, results_in)):
-            problems.append(
-                Problem(
-                    f"{dest} is inside the work folder {work_root}, whose job folders `anex-pipeline delete` and "
-                    "`prune` remove; write the result outside it",
-                    field=flag,
+            if not in_work_root:  # a report beside such an output is inside too: one line says it
+                problems.append(
+                    Problem(
+                        f"{dest} is inside the work folder {work_root}, whose job folders `anex-pipeline delete` "
+                        "and `prune` remove; write the result outside it",
+                        field=flag,
+                    )
                 )
-            )
-            break  # a report beside the output is inside too: one line says it
+            in_work_root = True
         written.append(("the output", target))
     if problems:
         raise JobRejected(problems)
