@@ -114,6 +114,29 @@ def test_delete_refuses_every_folder_that_is_not_a_job(
     assert code == 0 and not (work / job_id).exists() and out.is_file()
 
 
+def test_a_jobs_partition_named_after_the_work_roots_own_folder_is_refused(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    work = tmp_path / "work"
+    (work / "batch-api" / "files").mkdir(parents=True)
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
+    defs = build_definitions(StorageResource(work_root=str(work)), fake_engine())
+    instance.add_dynamic_partitions(JOBS, ["batch-api"])  # what a UI user may type in the launchpad
+    config = {"input": str(src), "output": str(tmp_path / "out.jsonl")}
+    result = defs.resolve_job_def("submit_job").execute_in_process(
+        instance=instance,
+        partition_key="batch-api",
+        run_config={"ops": {"validated_input": {"config": config}}},
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error  # type: ignore[union-attr]
+    assert error is not None and error.cls_name == "Failure", error
+    assert "batch-api is the Batch API's folder of the work root, not a job; add a key of its own" in error.message
+    assert sorted(p.name for p in (work / "batch-api").iterdir()) == ["files"]
+
+
 def test_on_a_work_root_of_other_data_prune_and_its_schedule_touch_only_jobs(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
