@@ -27,7 +27,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.orchestration.retention import RetentionSettings
 from anex_pipeline.retention import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobReport
+from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, take_lease, try_lease
 from anex_pipeline.workdir.manifest import JobDir
@@ -240,6 +240,18 @@ def test_an_output_or_report_inside_the_work_root_is_refused_at_submit(tmp_path:
         assert problems[0].strip().startswith(f"field '{field}': {extra[1] if extra else output} is inside")
         assert not output.exists() and "Traceback" not in done.stderr
     assert sorted(p.name for p in work.iterdir()) == [layout.LOGS_DIR], "a refused job left work behind"
+
+
+def test_a_refused_job_leaves_no_folder_in_the_work_root(tmp_path: Path, fake_runner: JobRunner) -> None:
+    work = Path(fake_runner.storage.work_root)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [chat_row("r0", "hello"), '{"custom_id": "r1", "body": '])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for src, why in [(bad, "line 2"), (empty, "has no rows")]:
+        with pytest.raises(JobRejected, match=why):
+            fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {})
+    assert not work.exists() or list(work.iterdir()) == []
+    assert fake_runner._leases == {}  # no lease kept for a job nobody drives
 
 
 def test_delete_refuses_the_job_of_an_unfinished_batch_after_serve_stopped(

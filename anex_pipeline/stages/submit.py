@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -234,6 +235,7 @@ def prepare_job(
     # every finished row, when it is run again towards a location that works.
     job_id = job_id or make_job_id(input_path, sha, raw_options)
     job = JobDir(work_root, job_id)
+    new_folder = not os.path.lexists(job.root)  # a refused job then leaves no folder behind
     if claim is not None:
         claim(job)
     if job.exists() and job.manifest().input_sha256 == sha:
@@ -263,12 +265,11 @@ def prepare_job(
                 out.add(item)
     finally:
         out.close()
-    if problem_count:
+    if problem_count or total == 0:
         staging.unlink(missing_ok=True)
-        raise JobRejected(problems, total=problem_count)
-    if total == 0:
-        staging.unlink(missing_ok=True)
-        raise JobRejected([Problem(f"input file {input_path} has no rows")])
+        if new_folder:  # nothing but the lease in it: no prune would ever remove it
+            shutil.rmtree(job.root, ignore_errors=True)
+        raise JobRejected(problems or [Problem(f"input file {input_path} has no rows")], total=problem_count or 1)
     count = shard_count(total, staging.stat().st_size, options)
     ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)
