@@ -30,6 +30,7 @@ from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
 from anex_pipeline.storage import StorageConfig, is_s3
+from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import take_lease
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, unfinished_shards
 from anex_pipeline.workdir.timing import record_timing
@@ -69,25 +70,43 @@ class JobRunner:
         raw_options: dict[str, Any],
         report: str | None = None,
         options_file: str | None = None,
+        results_in: Path | None = None,
         stop: Callable[[], None] | None = None,
     ) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
-        is where ``raw_options`` were read from, if from a file; ``stop`` can end the check early
-        (see :func:`~anex_pipeline.stages.submit.prepare_job`)."""
+        is where ``raw_options`` were read from, if from a file; ``results_in``: a folder of the
+        work root where the caller keeps the results itself; ``stop`` can end the check early (both:
+        see :func:`~anex_pipeline.stages.submit.prepare_job`).
+
+        The job's lease is taken as soon as its id is known, before its folder is read: a prune or
+        delete that started earlier either ends first or leaves the job alone."""
         options = job_options(raw_options)
         work_root = Path(self.storage.work_root).expanduser()
-        job = prepare_job(
-            self.storage.local_input(input_path, work_root / "inputs"),
-            output,
-            options,
-            work_root,
-            report=report,
-            local_model=not self.engine.base_url,
-            s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
-            options_file=Path(options_file) if options_file else None,
-            stop=stop,
-        )
-        self._hold(job)
+        claimed: list[str] = []  # the job whose lease this call took, if it was not held yet
+
+        def claim(job: JobDir) -> None:
+            if job.job_id not in self._leases:
+                self._hold(job)
+                claimed.append(job.job_id)
+
+        try:
+            job = prepare_job(
+                self.storage.local_input(input_path, work_root / layout.INPUTS_DIR),
+                output,
+                options,
+                work_root,
+                report=report,
+                local_model=not self.engine.base_url,
+                s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
+                options_file=Path(options_file) if options_file else None,
+                results_in=results_in,
+                stop=stop,
+                claim=claim,
+            )
+        except BaseException:  # a refused job is not driven by anyone: let go of a lease taken for it
+            for job_id in claimed:
+                self._leases.pop(job_id).close()
+            raise
         self._load_engine_early(job, job.manifest())
         self._register(job)
         self._execute("submit_job", job.job_id)

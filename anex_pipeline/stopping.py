@@ -57,6 +57,12 @@ def clear_stop(job: JobDir) -> None:
     job.stop_path.unlink(missing_ok=True)
 
 
+def stop_asked_here() -> bool:
+    """Whether a job of this process was asked to stop (and has not been run again since): in the
+    command, that a Ctrl-C already stopped its job, so another one quits at once."""
+    return bool(_asked)
+
+
 def recorded_stop(job: JobDir) -> str | None:
     """The reason in the job's stop file, or None when it has none."""
     try:

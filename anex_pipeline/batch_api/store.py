@@ -22,6 +22,7 @@ from typing import IO, Any
 import dagster as dg
 
 from anex_pipeline.batch_api.objects import BatchRecord, FileRecord, new_id, now
+from anex_pipeline.workdir import layout
 
 PREFIX = "anex.batch_api."
 HASH_PREFIX = "sha256:"
@@ -42,7 +43,7 @@ def configured_hash(entry: str) -> str:
 class Store:
     def __init__(self, instance: dg.DagsterInstance, work_root: Path | str):
         self._kv = instance.run_storage
-        self.root = Path(work_root).expanduser() / "batch-api"
+        self.root = Path(work_root).expanduser() / layout.BATCH_API_DIR
         self._lock = threading.RLock()
         # Held by a new batch from the check that its input file exists to its registration (see
         # add_batch), and by a delete from its check that no unfinished batch uses the file to its

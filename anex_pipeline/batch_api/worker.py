@@ -204,7 +204,11 @@ class BatchWorker:
 
         try:
             job = self.runner.submit(
-                str(self.store.input_path(batch_id)), str(self.store.output_path(batch_id)), record.options, stop=stop
+                str(self.store.input_path(batch_id)),
+                str(self.store.output_path(batch_id)),
+                record.options,
+                results_in=self.store.root,
+                stop=stop,
             )
         except JobStopped:
             if not self._closing.is_set():

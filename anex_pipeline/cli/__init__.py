@@ -8,8 +8,11 @@ it was rejected at submit (nothing ran, no result file).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import signal
 import sys
+from types import FrameType
 
 from anex_pipeline.cli.commands import (
     cmd_backfill,
@@ -55,9 +58,48 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
 def entry() -> None:
     """The ``anex-pipeline`` command: :func:`main`, then an exit that skips the interpreter's
     teardown. With torch and vLLM loaded, that teardown takes seconds after everything is
-    written (2.7 s measured on the 2-core build machine); the exit handlers still run."""
-    code = main(own_terminal=True)
+    written (2.7 s measured on the 2-core build machine); the exit handlers still run.
+
+    A reader of stdout that goes away early (``anex-pipeline list | head``) ends the command with
+    status 1 and no traceback. Ctrl-C outside a job's generation (which stops the job itself, see
+    :mod:`anex_pipeline.stopping`) ends the command through :func:`main`'s one line; a second one
+    ends it at once (status 130)."""
+    signal.signal(signal.SIGINT, _interrupted)
+    sys.unraisablehook = _quiet_interrupts
+    try:
+        code = main(own_terminal=True)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        code = ExitCode.STOPPED
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
     os._exit(code)
+
+
+_interrupts = {"seen": 0}
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT while no job generates: the first raises KeyboardInterrupt; a later one (or one after
+    a Ctrl-C during generation already stopped the job), which would land wherever the first is
+    being unwound (a clean-up of Dagster's or SQLAlchemy's, the exit handlers) and print a
+    traceback there, ends the process at once."""
+    _interrupts["seen"] += 1
+    stopping = sys.modules.get("anex_pipeline.stopping")  # loaded by every command that runs a job
+    if _interrupts["seen"] == 1 and not (stopping is not None and stopping.stop_asked_here()):
+        raise KeyboardInterrupt
+    with contextlib.suppress(OSError, ValueError):
+        os.write(sys.stderr.fileno(), b"stopped at once; rerun the same command to resume\n")
+    os._exit(128 + signum)
+
+
+def _quiet_interrupts(unraisable: sys.UnraisableHookArgs) -> None:
+    """Python's report of an exception it cannot raise (one in a garbage collector's callback or
+    an exit handler), except for an interrupt that arrived there (a KeyboardInterrupt, or Dagster's
+    form of it during a run): the interrupt is lost either way, and the next Ctrl-C ends the command."""
+    dagster_errors = sys.modules.get("dagster._core.errors")
+    interrupts = (KeyboardInterrupt, *([dagster_errors.DagsterExecutionInterruptedError] if dagster_errors else []))
+    if not isinstance(unraisable.exc_value, interrupts):
+        sys.__unraisablehook__(unraisable)

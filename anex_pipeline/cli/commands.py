@@ -109,6 +109,7 @@ def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.engine.config import EngineConfig
     from anex_pipeline.runner import JobRunner
     from anex_pipeline.storage import StorageConfig, default_work_root
+    from anex_pipeline.workdir import layout
 
     _progress_logging(args.quiet)
     storage = StorageConfig(work_root=args.work_dir or default_work_root())
@@ -117,7 +118,7 @@ def _runner(args: argparse.Namespace) -> Any:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        log_path = Path(storage.work_root).expanduser() / "logs" / f"{args.command}-{stamp}-{os.getpid()}.log"
+        log_path = Path(storage.work_root).expanduser() / layout.LOGS_DIR / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
     engine = EngineConfig(
@@ -363,11 +364,15 @@ def _work_root(args: argparse.Namespace) -> Path:
     return Path(args.work_dir or default_work_root()).expanduser()
 
 
+def _print_skipped(skipped: Any) -> None:
+    print(skipped, file=sys.stderr)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from anex_pipeline.retention import list_jobs, table
 
     at = time.time()
-    entries = list_jobs(_instance(), _work_root(args))
+    entries = list_jobs(_instance(), _work_root(args), on_skip=_print_skipped)
     if args.json:
         print(json.dumps([e.as_json(at) for e in entries], indent=2))
     elif entries:
@@ -378,21 +383,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from anex_pipeline.orchestration.partitions import JOBS
-    from anex_pipeline.retention import JobRunning, delete_job
+    from anex_pipeline.retention import delete_job
     from anex_pipeline.workdir.manifest import JobDir
 
     try:
         job = JobDir(_work_root(args), args.job_id)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    instance = _instance()
-    if not job.root.exists() and not instance.has_dynamic_partition(JOBS, job.job_id):
-        raise UsageError(f"no job {args.job_id} under {job.root.parent}; `anex-pipeline list` shows the jobs")
-    try:
-        delete_job(instance, job)
-    except JobRunning as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"{exc}; `anex-pipeline list` shows the jobs") from None
+    delete_job(_instance(), job)  # refuses (exit 2) what is not a job, or is running
     print(f"deleted job {job.job_id}", file=sys.stderr)
     return ExitCode.OK
 
@@ -404,7 +402,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         older_than = parse_age(args.older_than)
     except ValueError as exc:
         raise UsageError(f"--older-than: {exc}") from None
-    removed = prune(_instance(), _work_root(args), older_than, dry_run=args.dry_run)
+    removed = prune(_instance(), _work_root(args), older_than, dry_run=args.dry_run, on_skip=_print_skipped)
     if args.json:
         print(json.dumps([r.as_json() for r in removed], indent=2))
     else:

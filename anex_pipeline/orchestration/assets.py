@@ -121,7 +121,10 @@ def _shard(context: dg.AssetExecutionContext, job: JobDir) -> int:
 def validated_input(
     context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource, engine: EngineResource
 ) -> dg.MaterializeResult:
-    job = storage.job(context.partition_key)
+    try:
+        job = storage.job(context.partition_key)
+    except ValueError as exc:  # a key no job folder can have, e.g. one of the work root's own folders
+        raise dg.Failure(f"the jobs partition {context.partition_key[:80]!r}: {exc}; add a key of its own") from None
     started = time.monotonic()
     if config.input:
         if not config.output:

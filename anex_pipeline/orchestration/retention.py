@@ -28,7 +28,8 @@ def prune_jobs(context: dg.OpExecutionContext, storage: StorageResource, retenti
         older_than = parse_age(retention_settings.max_age)
     except ValueError as exc:
         raise dg.Failure(f"retention_settings.max_age (ANEX_RETENTION_MAX_AGE): {exc}") from None
-    removed = prune(context.instance, Path(storage.work_root).expanduser(), older_than)
+    work_root = Path(storage.work_root).expanduser()
+    removed = prune(context.instance, work_root, older_than, on_skip=lambda s: context.log.warning(str(s)))
     for r in removed:
         context.log.info(f"removed {r.kind} {r.id}: {r.reason}")
     if not removed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,14 +131,26 @@ def model_problems(model: str | None) -> list[Problem]:
     return [Problem(why, field="model", code=MODEL_NOT_FOUND)] if why else []
 
 
-def check_destinations(input_path: Path, output: str, report: str, options_file: Path | None = None) -> None:
+def check_destinations(
+    input_path: Path,
+    output: str,
+    report: str,
+    options_file: Path | None = None,
+    *,
+    work_root: Path | None = None,
+    results_in: Path | None = None,
+) -> None:
     """Refuses an output or report that is a file the job reads (the input, its sidecar
     ``<input>.job.json``, the options file) or each other, whatever the path's spelling (``..``,
-    symlinks, hard links), and one that exists but is not a regular file (a folder, a FIFO)."""
+    symlinks, hard links), one that exists but is not a regular file (a folder, a FIFO), and one
+    inside ``work_root``, whose job folders ``delete`` and ``prune`` remove with all they hold
+    (``results_in``: the one folder of the work root where the caller keeps results itself, the
+    Batch API's)."""
     read = [("the input", input_path), ("the input's options sidecar", sidecar_of(input_path))]
     read += [("the options file", Path(options_file))] if options_file is not None else []
     problems = []
     written: list[tuple[str, Path]] = []
+    in_work_root = False
     for flag, dest in (("output", output), ("report", report)):
         if is_s3(dest):
             continue
@@ -151,9 +164,24 @@ def check_destinations(input_path: Path, output: str, report: str, options_file:
             problems.append(
                 Problem(f"{dest} exists and is not a regular file (a folder or FIFO); name a file", field=flag)
             )
+        elif work_root is not None and _inside(target, work_root) and not (results_in and _inside(target, results_in)):
+            if not in_work_root:  # a report beside such an output is inside too: one line says it
+                problems.append(
+                    Problem(
+                        f"{dest} is inside the work folder {work_root}, whose job folders `anex-pipeline delete` "
+                        "and `prune` remove; write the result outside it",
+                        field=flag,
+                    )
+                )
+            in_work_root = True
         written.append(("the output", target))
     if problems:
         raise JobRejected(problems)
+
+
+def _inside(target: Path, folder: Path) -> bool:
+    """Whether ``target`` (a resolved path) lies within ``folder``, by where the folder leads."""
+    return target.is_relative_to(os.path.realpath(Path(folder).expanduser()))
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -181,20 +209,26 @@ def prepare_job(
     s3_client: Any = None,
     options_file: Path | None = None,
     stop: Callable[[], None] | None = None,
+    results_in: Path | None = None,
+    claim: Callable[[JobDir], object] | None = None,
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
     s3:// ones), then writes the job's shards and manifest; raises JobRejected on problems.
 
     ``options_file``: the file the options were read from, if any, which the job must not write
-    over. ``stop`` is called before each chunk of rows is checked: what it raises ends the check,
-    and the rows it had staged are removed. Idempotent: a job whose manifest already exists for
-    the same input content is reused as it is, so reruns and resumes keep their checkpoints.
+    over. The output and report must lie outside ``work_root``, but for ``results_in`` (see
+    :func:`check_destinations`). ``claim`` is called with the job as soon as its id is known,
+    before its folder is looked at: the CLI takes the job's lease there, so that no ``prune`` or
+    ``delete`` removes the folder of a job being resumed. ``stop`` is called before each chunk of
+    rows is checked: what it raises ends the check, and the rows it had staged are removed.
+    Idempotent: a job whose manifest already exists for the same input content is reused as it
+    is, so reruns and resumes keep their checkpoints.
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options)
     report = report or default_report_path(output)
-    check_destinations(input_path, output, report, options_file)
+    check_destinations(input_path, output, report, options_file, work_root=work_root, results_in=results_in)
     found = model_problems(options.model) if local_model else []
     for dest in dict.fromkeys((output, report)):
         if why := output_problem(dest, s3_client):
@@ -205,6 +239,9 @@ def prepare_job(
     # every finished row, when it is run again towards a location that works.
     job_id = job_id or make_job_id(input_path, sha, raw_options)
     job = JobDir(work_root, job_id)
+    new_folder = not os.path.lexists(job.root)  # a refused job then leaves no folder behind
+    if claim is not None:
+        claim(job)
     if job.exists() and job.manifest().input_sha256 == sha:
         if found:
             raise JobRejected(found)
@@ -238,12 +275,13 @@ def prepare_job(
         out.close()
         if not checked:  # cut short: nothing of this check is kept
             staging.unlink(missing_ok=True)
-    if problem_count:
+            if new_folder:
+                shutil.rmtree(job.root, ignore_errors=True)
+    if problem_count or total == 0:
         staging.unlink(missing_ok=True)
-        raise JobRejected(problems, total=problem_count)
-    if total == 0:
-        staging.unlink(missing_ok=True)
-        raise JobRejected([Problem(f"input file {input_path} has no rows")])
+        if new_folder:  # nothing but the lease in it: no prune would ever remove it
+            shutil.rmtree(job.root, ignore_errors=True)
+        raise JobRejected(problems or [Problem(f"input file {input_path} has no rows")], total=problem_count or 1)
     count = shard_count(total, staging.stat().st_size, options)
     ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)

@@ -18,6 +18,13 @@
         cli.lock                  held by an ``anex-pipeline`` process while it drives the job
 
 Modules reach these paths through :class:`~anex_pipeline.workdir.manifest.JobDir`.
+
+Beside the jobs' folders the work root holds folders of its own (``WORK_ROOT_FOLDERS``), which
+are never a job's: no job may take their names, and ``delete`` and ``prune`` never touch them::
+
+    <work root>/logs/             the engine's and libraries' messages of each command
+    <work root>/inputs/           s3:// inputs that ``run`` downloaded
+    <work root>/batch-api/        the Batch API's stored files and its batches' inputs and results
 """
 
 from __future__ import annotations
@@ -38,3 +45,12 @@ SERVED_BY = "served_by.json"  # rows each model server answered
 RESULT_STEM = "result"
 REPORT = "report.json"
 LEASE = "cli.lock"
+
+LOGS_DIR = "logs"
+INPUTS_DIR = "inputs"
+BATCH_API_DIR = "batch-api"
+WORK_ROOT_FOLDERS = {
+    LOGS_DIR: "the commands' log folder",
+    INPUTS_DIR: "the folder of downloaded inputs",
+    BATCH_API_DIR: "the Batch API's folder",
+}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import time
 from typing import IO
 
@@ -28,24 +29,42 @@ def take_lease(job: JobDir) -> IO[bytes]:
     process ends, so a crashed command never leaves the job blocked. A second process driving the
     same job waits here for the first.
     """
-    job.root.mkdir(parents=True, exist_ok=True)
-    lease = job.lease_path.open("ab")
-    if not _lock(lease, fcntl.LOCK_EX):
-        time.sleep(0.2)  # job_driver only looks at the lock for a moment
+    while True:
+        lease = _open(job)
         if not _lock(lease, fcntl.LOCK_EX):
-            progress_log.warning("job %s is being run by another process; waiting for it to end", job.job_id)
-            fcntl.flock(lease, fcntl.LOCK_EX)
-    return lease
+            time.sleep(0.2)  # job_driver only looks at the lock for a moment
+            if not _lock(lease, fcntl.LOCK_EX):
+                progress_log.warning("job %s is being run by another process; waiting for it to end", job.job_id)
+                fcntl.flock(lease, fcntl.LOCK_EX)
+        if _still_in_place(lease, job):
+            return lease
+        lease.close()  # the holder deleted the job meanwhile: lock the file of its new folder
 
 
 def try_lease(job: JobDir) -> IO[bytes] | None:
     """The job's lease if no live process holds it (kept until the returned file is closed), else None."""
-    job.root.mkdir(parents=True, exist_ok=True)
-    lease = job.lease_path.open("ab")
-    if _lock(lease, fcntl.LOCK_EX):
+    lease = _open(job)
+    if _lock(lease, fcntl.LOCK_EX) and _still_in_place(lease, job):
         return lease
     lease.close()
     return None
+
+
+def _open(job: JobDir) -> IO[bytes]:
+    job.root.mkdir(parents=True, exist_ok=True)
+    return job.lease_path.open("ab")
+
+
+def _still_in_place(lease: IO[bytes], job: JobDir) -> bool:
+    """Whether the locked file is still the job's lease file: a process that deleted the job
+    while this one waited for the lock removed the file this one holds, and a lock on it guards
+    nothing."""
+    try:
+        found = os.stat(job.lease_path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(lease.fileno())
+    return (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino)
 
 
 def driven_by_cli(job: JobDir) -> bool:

@@ -108,6 +108,8 @@ class JobDir:
                 f"job id {job_id[:80]!r} cannot name a job folder: use at most 200 letters, digits, '-', '_' "
                 "and '.', not starting with '.'"
             )
+        if job_id in layout.WORK_ROOT_FOLDERS:  # the work root keeps these folders for itself
+            raise ValueError(f"{job_id} is {layout.WORK_ROOT_FOLDERS[job_id]} of the work root, not a job")
         self.job_id = job_id
         self.root = Path(work_root) / job_id
         self._manifest: tuple[tuple[int, int, int], JobManifest] | None = None  # (file stamp, parsed)
