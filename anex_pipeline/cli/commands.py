@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options
+from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options, engine_args_of
 from anex_pipeline.errors import AnexError, ExitCode
 
 LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
@@ -110,6 +110,17 @@ def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.runner import JobRunner
     from anex_pipeline.storage import StorageConfig, default_work_root
 
+    # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
+    given = engine_args_of(args)
+    engine = EngineConfig(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        memory_share=args.memory_share,
+        base_url=_base_url(args.base_url),
+        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        max_concurrency=args.max_concurrency,
+        **({"engine_args": given} if given is not None else {}),
+    )
     _progress_logging(args.quiet)
     storage = StorageConfig(work_root=args.work_dir or default_work_root())
     if args.verbose or not args.own_terminal:
@@ -120,14 +131,6 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / "logs" / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    engine = EngineConfig(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        memory_share=args.memory_share,
-        base_url=_base_url(args.base_url),
-        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
-        max_concurrency=args.max_concurrency,
-    )
     return JobRunner(_instance(), storage, engine)
 
 
