@@ -37,6 +37,7 @@ class EngineConfig(BaseModel):
     kv_cache_gib: int = Field(default=1, description="CPU build only: KV cache size in GiB.")
     engine_args: dict[str, Any] = Field(
         default_factory=lambda: _env_engine_args(),
+        validate_default=True,  # those from the environment are checked too
         description='vLLM engine arguments by their EngineArgs names, e.g. {"tensor_parallel_size": 2, '
         '"quantization": "fp8"}: the in-process engine and the machine\'s model server get the same ones '
         "(default: $ANEX_ENGINE_ARGS, a JSON object).",
