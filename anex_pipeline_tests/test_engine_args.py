@@ -72,6 +72,19 @@ def test_rendered_flags_mean_the_same_arguments_to_vllms_own_parser() -> None:
     assert {key: getattr(parsed, key) for key in args} == args
 
 
+def test_the_machine_servers_command_line_parses_with_vllms_server_parser() -> None:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    given = settings(max_num_seqs=3, enable_prefix_caching=False, tensor_parallel_size=1)
+    command = server_command(given, 8123)
+    assert command[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
+    assert (parsed.model, parsed.served_model_name, parsed.port) == ("/models/m", ["m"], 8123)
+    assert (parsed.max_num_seqs, parsed.enable_prefix_caching, parsed.tensor_parallel_size) == (3, False, 1)
+    assert (parsed.max_model_len, parsed.seed) == (-1, 0)  # the model's context, capped by the KV cache
+
+
 # -- checking ------------------------------------------------------------------------------------
 
 
