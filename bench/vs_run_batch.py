@@ -94,7 +94,7 @@ def run_ours(
     """Wall time and the job report (printed on stdout); ``extra``: more flags for the command,
     ``env``: more environment variables."""
     command = [
-        str(Path(sys.executable).with_name("anex-pipeline")), "run", str(src), "-o", str(out),
+        sys.executable, "-m", "anex_pipeline.cli", "run", str(src), "-o", str(out),
         "--max-model-len", "2048", "--work-dir", str(work), "--quiet", *extra,
     ]  # fmt: skip
     seconds, stdout = _timed(command, env)
