@@ -246,3 +246,10 @@ def test_run_with_engine_arguments_on_the_cpu_build_loads_them_and_reports_them(
     assert engine["engine_args"]["max_num_seqs"] == 2 and engine["engine_args"]["enable_prefix_caching"] is False
     assert engine["engine_args"]["dtype"] == "float32"  # the pipeline's own arguments are listed too
     assert (engine["max_model_len"], engine["max_model_len_source"]) == (8192, "model")
+
+
+def test_engine_arguments_with_a_server_address_are_refused(tmp_path: Path) -> None:
+    done, _ = run_cli(tmp_path, "--base-url", "http://127.0.0.1:9", "--tensor-parallel-size", "2")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "engine arguments (tensor_parallel_size) are for the model this command loads" in line

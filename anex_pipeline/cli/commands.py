@@ -112,6 +112,11 @@ def _runner(args: argparse.Namespace) -> Any:
 
     # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
     given = engine_args_of(args)
+    if given and args.base_url:
+        raise UsageError(
+            f"engine arguments ({', '.join(sorted(given))}) are for the model this command loads; the server at "
+            "--base-url was started with its own: give them to that server instead, or drop --base-url"
+        )
     engine = EngineConfig(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
