@@ -369,6 +369,15 @@ def flag_map(args: list[str]) -> dict[str, list[str]]:
     return flags
 
 
+def gpus_per_engine(args: dict[str, Any]) -> int:
+    """The GPUs one engine of these arguments takes: tensor x pipeline x data parallel."""
+    sizes = (args.get(key, 1) for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
 SERVER_OWN = {"--served-model-name", "--host", "--port", "--max-model-len", "--gpu-memory-utilization"}
 
 
@@ -376,7 +385,7 @@ def test_the_gpu_step_the_vllm_server_and_the_machine_server_carry_the_same_engi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from anex_pipeline.engine import vllm_settings
-    from anex_pipeline.engine.engine_args import cli_flags, gpus_per_engine
+    from anex_pipeline.engine.engine_args import cli_flags
     from anex_pipeline.engine.machine_server import server_command
     from anex_pipeline.orchestration.resources import EngineResource
     from anex_pipeline.workdir.manifest import JobManifest

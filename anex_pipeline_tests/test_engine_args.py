@@ -24,13 +24,12 @@ from anex_pipeline.engine.engine_args import (
     cli_flags,
     engine_arg_fields,
     engine_kwargs,
-    gpus_per_engine,
     parse_engine_arg,
 )
 from anex_pipeline.engine.machine_server import server_command, settings_key
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
 
 
 def settings(**args: Any) -> EngineSettings:
@@ -201,10 +200,10 @@ def test_engines_of_different_arguments_are_never_shared() -> None:
     assert settings_key(settings()) != settings_key(one)
 
 
-def test_one_engine_spans_tensor_times_pipeline_times_data_parallel_gpus() -> None:
-    assert gpus_per_engine({}) == 1
-    assert gpus_per_engine({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}) == 8
-    assert gpus_per_engine({"tensor_parallel_size": 2, "data_parallel_size": 2}) == 4
+def test_the_report_says_what_engine_the_rows_ran_on(fake_runner: Any, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "hi")])
+    report = run_job(fake_runner, src, tmp_path / "out.jsonl")
+    assert report.engine is not None and report.engine["model"] == DEFAULT_CHAT_MODEL and report.engine["kind"]
 
 
 # -- the real engine -----------------------------------------------------------------------------

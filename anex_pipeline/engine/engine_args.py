@@ -178,15 +178,6 @@ def canonical(args: dict[str, Any]) -> str:
     return json.dumps(args, sort_keys=True, separators=(",", ":"))
 
 
-def gpus_per_engine(args: dict[str, Any]) -> int:
-    """The devices one engine of these arguments takes: tensor x pipeline x data parallel."""
-    count = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        value = args.get(key, 1)
-        count *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-    return count
-
-
 def engine_kwargs(settings: Any, on_cpu: bool) -> dict[str, Any]:
     """The engine arguments one engine is built with, for in-process engine settings
     (``vllm_local.EngineSettings``): the pipeline's own, then the user's, which may override the

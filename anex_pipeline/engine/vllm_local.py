@@ -625,7 +625,12 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
     from vllm.tokenizers import get_tokenizer
 
     try:
-        tags = thinking_tags(settings.reasoning_parser, get_tokenizer(settings.model))
+        tokenizer = get_tokenizer(
+            kwargs.get("tokenizer") or settings.model,
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+            revision=kwargs.get("tokenizer_revision") or kwargs.get("revision"),
+        )  # the one the engine loads, by its own engine arguments
+        tags = thinking_tags(settings.reasoning_parser, tokenizer)
     except Exception as exc:  # e.g. the tokenizer lacks the parser's tags
         raise ValueError(
             f"reasoning parser '{settings.reasoning_parser}' does not fit model '{settings.model_name}': {exc}; "
