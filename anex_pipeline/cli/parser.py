@@ -173,7 +173,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         '(e.g. --engine-arg speculative_config=\'{"method": "ngram"}\'); repeatable; default: $ANEX_ENGINE_ARGS',
     )
     for key, kind, text in ENGINE_ARG_FLAGS:
-        g.add_argument("--" + key.replace("_", "-"), dest=f"engine_{key}", type=kind, default=None, help=text)
+        flag, metavar = "--" + key.replace("_", "-"), "N" if kind is int else "NAME"
+        g.add_argument(flag, dest=f"engine_{key}", type=kind, default=None, metavar=metavar, help=text)
     for key, text in ENGINE_BOOL_FLAGS:
         flag = "--" + key.replace("_", "-")
         g.add_argument(flag, dest=f"engine_{key}", action=argparse.BooleanOptionalAction, default=None, help=text)
