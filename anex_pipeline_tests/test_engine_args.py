@@ -27,7 +27,7 @@ from anex_pipeline.engine.engine_args import (
     parse_engine_arg,
 )
 from anex_pipeline.engine.machine_server import server_command, settings_key
-from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
 
@@ -252,3 +252,22 @@ def test_engine_arguments_with_a_server_address_are_refused(tmp_path: Path) -> N
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert "engine arguments (tensor_parallel_size) are for the model this command loads" in line
+
+
+@pytest.mark.engine
+def test_a_kv_cache_smaller_than_the_models_context_cuts_it_and_the_report_says_so() -> None:
+    from anex_pipeline.engine import load_engine, release_engines
+
+    small = {"num_gpu_blocks_override": 12}  # 12 blocks of 128 tokens: under SmolLM2's 8192
+    given = EngineSettings(
+        model=str(local_model_path(DEFAULT_CHAT_MODEL)), model_name=DEFAULT_CHAT_MODEL, engine_args=canonical(small)
+    )
+    try:
+        engine = load_engine(given)
+        section = engine.report_section  # type: ignore[attr-defined]
+        cache = engine.llm.llm_engine.vllm_config.cache_config  # type: ignore[attr-defined]
+        assert section["max_model_len_source"] == "kv_cache"
+        assert section["max_model_len"] <= cache.num_gpu_blocks * cache.block_size < 8192
+        assert section["engine_args"]["num_gpu_blocks_override"] == 12
+    finally:
+        release_engines()
