@@ -268,4 +268,6 @@ class JobReport(BaseModel):
     reused_sample_rows: int = 0
     # Generated rows each model server answered, when the engine sends rows to servers.
     served_by: dict[str, int] = Field(default_factory=dict)
+    # The engine the rows ran on: kind, model, vLLM version, its engine arguments and context.
+    engine: dict[str, Any] | None = None
     cost: float | None = None

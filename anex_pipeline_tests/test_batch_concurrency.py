@@ -95,7 +95,7 @@ def narrow_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunne
     """Real vLLM that runs 16 rows at once, on an instance on disk (batches run in threads)."""
     storage = StorageResource(work_root=str(tmp_path_factory.mktemp("narrow-work")))
     with local_instance(set_dagster_home=True) as instance:
-        runner = JobRunner(instance, storage, EngineResource(max_model_len=2048, max_num_seqs=16))
+        runner = JobRunner(instance, storage, EngineResource(max_model_len=2048, engine_args={"max_num_seqs": 16}))
         yield runner
         runner.close()
 

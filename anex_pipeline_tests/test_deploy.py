@@ -343,3 +343,83 @@ def test_a_broken_instance_config_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(broken))
     with pytest.raises(DagsterInvalidConfigError, match="enabeld"):
         dagster_instance_config(str(tmp_path))
+
+
+# --- One set of engine arguments: the step pods' engines, the vLLM server, the machine server ---
+
+
+def deployed_engine_args() -> dict[str, Any]:
+    (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
+    env = {e["name"]: e.get("value") for e in deployment["env"]}
+    return json.loads(env["ANEX_ENGINE_ARGS"])
+
+
+def flag_map(args: list[str]) -> dict[str, list[str]]:
+    """A command line's flags with their values (``--flag=value`` and ``--flag value`` alike)."""
+    flags: dict[str, list[str]] = {}
+    current: list[str] = []
+    for arg in args:
+        if arg.startswith("--"):
+            flag, sep, value = arg.partition("=")
+            current = flags.setdefault(flag, [])
+            if sep:
+                current.append(value)
+        else:
+            current.append(arg)
+    return flags
+
+
+def gpus_per_engine(args: dict[str, Any]) -> int:
+    """The GPUs one engine of these arguments takes: tensor x pipeline x data parallel."""
+    sizes = (args.get(key, 1) for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+SERVER_OWN = {"--served-model-name", "--host", "--port", "--max-model-len", "--gpu-memory-utilization"}
+
+
+def test_the_gpu_step_the_vllm_server_and_the_machine_server_carry_the_same_engine_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from anex_pipeline.engine import vllm_settings
+    from anex_pipeline.engine.engine_args import cli_flags
+    from anex_pipeline.engine.machine_server import server_command
+    from anex_pipeline.orchestration.resources import EngineResource
+    from anex_pipeline.workdir.manifest import JobManifest
+
+    args = deployed_engine_args()
+    assert args, "the Helm values give the step pods engine arguments"
+    # A step pod's engine resource reads them from its environment, checked against vLLM.
+    monkeypatch.setenv("ANEX_ENGINE_ARGS", json.dumps(args))
+    resource = EngineResource()
+    assert resource.engine_args == args
+    manifest = JobManifest(
+        job_id="j", input="in.jsonl", input_sha256="0", output="out.jsonl", report="r.json", format="jsonl",
+        endpoint="chat", model="m", model_name="m", options={}, total_rows=1, shards=[], submitted_at=0,
+    )  # fmt: skip
+    settings = vllm_settings(resource.plain(), manifest)
+    # The machine server's command line holds exactly those flags ...
+    rendered = flag_map(cli_flags(args))
+    assert rendered.items() <= flag_map(server_command(settings, 8000)).items()
+    # ... as does the Kubernetes vLLM server, beside its own model, address and sizing.
+    (container,) = by_kind(manifests(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    served = {flag: values for flag, values in flag_map(container["args"][1:]).items() if flag not in SERVER_OWN}
+    assert served == rendered
+    # Every GPU pod holds the GPUs one engine of these arguments spans.
+    gpus = gpus_per_engine(args)
+    assert container["resources"]["limits"][GPU] == gpus
+    for step in executor_config()["per_step_k8s_config"].values():
+        assert step["container_config"]["resources"]["limits"][GPU] == gpus
+
+
+def test_the_parity_check_sees_a_flag_the_vllm_server_lacks() -> None:
+    from anex_pipeline.engine.engine_args import cli_flags
+
+    (container,) = by_kind(manifests(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    args = {**deployed_engine_args(), "kv_cache_dtype": "fp8"}
+    served = {flag: values for flag, values in flag_map(container["args"][1:]).items() if flag not in SERVER_OWN}
+    assert served != flag_map(cli_flags(args))
+    assert flag_map(["--a=1", "--b", "2", "3", "--c"]) == {"--a": ["1"], "--b": ["2", "3"], "--c": []}

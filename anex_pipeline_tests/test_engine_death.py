@@ -18,6 +18,7 @@ import pytest
 
 from anex_pipeline import engine as engines
 from anex_pipeline.engine import EngineConfig, EngineSettings, load_engine, release_engines
+from anex_pipeline.engine.engine_args import canonical
 from anex_pipeline.engine.models import local_model_path, resolve_model
 from anex_pipeline.engine.watchdog import EngineProcessDied, engine_processes
 from anex_pipeline.options import job_options
@@ -38,7 +39,12 @@ KILL_AFTER = 8  # rows in the checkpoint when the engine process is killed
 def own_settings() -> EngineSettings:
     """The default chat model with settings no other test uses, so this test owns its engine."""
     model, name = resolve_model(None, "chat")
-    return EngineSettings(model=str(local_model_path(model)), model_name=name, max_model_len=512, max_num_seqs=4)
+    return EngineSettings(
+        model=str(local_model_path(model)),
+        model_name=name,
+        max_model_len=512,
+        engine_args=canonical({"max_num_seqs": 4}),
+    )
 
 
 def checkpoint_lines(path: Path) -> list[str]:
@@ -120,7 +126,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
         runner = JobRunner(
             instance,
             StorageResource(work_root=str(tmp_path / "work")),
-            EngineConfig(max_model_len=512, max_num_seqs=4),
+            EngineConfig(max_model_len=512, engine_args={"max_num_seqs": 4}),
         )
         try:
             job = runner.submit(str(src), str(tmp_path / "out.jsonl"), options)

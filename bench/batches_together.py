@@ -46,7 +46,7 @@ def start_serve(work: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "ANEX_BATCH_API_KEYS": ",".join(KEYS)}
     (work / "home").mkdir(parents=True, exist_ok=True)
     command = [
-        str(Path(sys.executable).with_name("anex-pipeline")), "serve", "--port", str(port), "--quiet",
+        sys.executable, "-m", "anex_pipeline.cli", "serve", "--port", str(port), "--quiet",
         "--max-model-len", "2048", "--work-dir", str(work / "work"),
     ]  # fmt: skip
     with log.open("wb") as out:

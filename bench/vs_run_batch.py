@@ -19,7 +19,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from anex_pipeline.engine.engine_args import canonical, cli_flags, engine_kwargs, parse_engine_arg
+from anex_pipeline.engine.machine_server import cpu_build
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.vllm_local import EngineSettings
 
 SYSTEMS = [
     "You are a concise assistant.",
@@ -73,12 +76,15 @@ def answers(path: Path) -> dict[str, str]:
     return found
 
 
-def run_peer(src: Path, out: Path, model: str, env: dict[str, str] | None = None) -> float:
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out),
-        "--model", model, "--served-model-name", DEFAULT_CHAT_MODEL, "--dtype", "float32", "--enforce-eager",
-        "--gpu-memory-utilization", "0.3", "--max-model-len", "2048",
-    ]  # fmt: skip
+def run_peer(
+    src: Path, out: Path, model: str, env: dict[str, str] | None = None, engine_args: dict | None = None
+) -> float:
+    """run_batch's wall time, its engine built from the arguments the pipeline's engine gets."""
+    settings = EngineSettings(
+        model=str(model), model_name=DEFAULT_CHAT_MODEL, max_model_len=2048, engine_args=canonical(engine_args or {})
+    )
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out)]
+    command += [*cli_flags(engine_kwargs(settings, cpu_build())), "--served-model-name", DEFAULT_CHAT_MODEL]
     return _timed(command, env)[0]
 
 
@@ -88,7 +94,7 @@ def run_ours(
     """Wall time and the job report (printed on stdout); ``extra``: more flags for the command,
     ``env``: more environment variables."""
     command = [
-        str(Path(sys.executable).with_name("anex-pipeline")), "run", str(src), "-o", str(out),
+        sys.executable, "-m", "anex_pipeline.cli", "run", str(src), "-o", str(out),
         "--max-model-len", "2048", "--work-dir", str(work), "--quiet", *extra,
     ]  # fmt: skip
     seconds, stdout = _timed(command, env)
@@ -114,7 +120,16 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="a variable for run_batch's environment (e.g. the pipeline's CPU core setting), repeatable",
     )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument for both sides (as `anex-pipeline run --engine-arg`), repeatable",
+    )
     args = parser.parse_args()
+    engine_args = dict(parse_engine_arg(item) for item in args.engine_arg)
+    ours_extra = [flag for item in args.engine_arg for flag in ("--engine-arg", item)]
     model = local_model_path(DEFAULT_CHAT_MODEL)
     peer_env = dict(item.split("=", 1) for item in args.peer_env)
     ratios = []
@@ -124,8 +139,9 @@ def main() -> None:
         make_input(src, args.rows, unique=args.unique)
         for pair in range(args.pairs):
             peer_out, our_out = tmp / f"peer{pair}.jsonl", tmp / f"ours{pair}.jsonl"
-            peer_s = run_peer(src, peer_out, model, peer_env)
-            our_s, report = run_ours(src, our_out, tmp / f"work{pair}")  # a fresh work folder: no resumed rows
+            peer_s = run_peer(src, peer_out, model, peer_env, engine_args)
+            # A fresh work folder: no resumed rows.
+            our_s, report = run_ours(src, our_out, tmp / f"work{pair}", ours_extra)
             peer_tok, our_tok = output_tokens(peer_out), output_tokens(our_out)
             ratios.append(our_s / peer_s)
             theirs, mine = answers(peer_out), answers(our_out)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options
+from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options, engine_args_of
 from anex_pipeline.errors import AnexError, ExitCode
 
 LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
@@ -111,6 +111,22 @@ def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.storage import StorageConfig, default_work_root
     from anex_pipeline.workdir import layout
 
+    # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
+    given = engine_args_of(args)
+    if given and args.base_url:
+        raise UsageError(
+            f"engine arguments ({', '.join(sorted(given))}) are for the model this command loads; the server at "
+            "--base-url was started with its own: give them to that server instead, or drop --base-url"
+        )
+    engine = EngineConfig(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        memory_share=args.memory_share,
+        base_url=_base_url(args.base_url),
+        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        max_concurrency=args.max_concurrency,
+        **({"engine_args": given} if given is not None else {}),
+    )
     _progress_logging(args.quiet)
     storage = StorageConfig(work_root=args.work_dir or default_work_root())
     if args.verbose or not args.own_terminal:
@@ -121,14 +137,6 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / layout.LOGS_DIR / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    engine = EngineConfig(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        memory_share=args.memory_share,
-        base_url=_base_url(args.base_url),
-        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
-        max_concurrency=args.max_concurrency,
-    )
     return JobRunner(_instance(), storage, engine)
 
 

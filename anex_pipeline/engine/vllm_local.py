@@ -45,6 +45,7 @@ from anex_pipeline.engine.base import (
     rejected,
 )
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
+from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -86,10 +87,10 @@ class EngineSettings:
     model_name: str  # the name written into responses
     runner: str = "generate"  # "generate" or "pooling" (embeddings)
     dtype: str = "auto"
-    max_model_len: int | None = 4096
+    max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
     memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    max_num_seqs: int | None = None
+    engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
     reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
     tool_parser: str | None = None
 
@@ -146,22 +147,16 @@ class VllmLocalEngine:
             os.environ.update(cpu_environment.engine_environment(settings.kv_cache_gib))  # its processes inherit it
         from vllm import LLM
 
-        kwargs: dict[str, Any] = {
-            "model": settings.model,
-            "runner": settings.runner,
-            "dtype": "float32" if on_cpu and settings.dtype == "auto" else settings.dtype,
-            "max_model_len": settings.max_model_len,
-            "gpu_memory_utilization": settings.memory_share or (0.3 if on_cpu else 0.9),
-            "enforce_eager": on_cpu,
-            "seed": 0,
-        }
-        if settings.max_num_seqs:
-            kwargs["max_num_seqs"] = settings.max_num_seqs
+        kwargs = engine_kwargs(settings, on_cpu)
+        # What the report lists, taken before the parser's objects join the arguments; the context
+        # is reported as the engine resolved it.
+        given = {k: v for k, v in kwargs.items() if k not in ("model", "max_model_len")}
         tags = _reasoning_kwargs(settings, kwargs)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         config = self.llm.llm_engine.model_config
         self.max_model_len: int = config.max_model_len
+        self.report_section = _report_section(settings, given, config)
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
         self.dead = False
         self._request_ids = itertools.count()
@@ -603,6 +598,24 @@ def _usage(g: Generated) -> dict[str, int]:
     }
 
 
+def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The report's account of the engine, enough to load the same one again: every argument the
+    engine was given beside the model and its context (the pipeline's and the user's), and the
+    context it got: set, the model's own, or cut to what the KV cache holds."""
+    context_source = "set"
+    if not settings.max_model_len:  # auto-fit: the model's own, unless the KV cache held less
+        own = config.get_and_verify_max_len(-1)
+        context_source = "model" if config.max_model_len >= own else "kv_cache"
+    return {
+        "kind": "vllm",
+        "model": settings.model_name,
+        "vllm_version": vllm_version(),
+        "max_model_len": config.max_model_len,
+        "max_model_len_source": context_source,
+        "engine_args": given,
+    }
+
+
 def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> ThinkingTags | None:
     """Adds the reasoning parser and the thinking budget's tags to the LLM arguments; returns the
     tags (None when the model does not think in tags the budget can use)."""
@@ -612,7 +625,12 @@ def _reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Think
     from vllm.tokenizers import get_tokenizer
 
     try:
-        tags = thinking_tags(settings.reasoning_parser, get_tokenizer(settings.model))
+        tokenizer = get_tokenizer(
+            kwargs.get("tokenizer") or settings.model,
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+            revision=kwargs.get("tokenizer_revision") or kwargs.get("revision"),
+        )  # the one the engine loads, by its own engine arguments
+        tags = thinking_tags(settings.reasoning_parser, tokenizer)
     except Exception as exc:  # e.g. the tokenizer lacks the parser's tags
         raise ValueError(
             f"reasoning parser '{settings.reasoning_parser}' does not fit model '{settings.model_name}': {exc}; "

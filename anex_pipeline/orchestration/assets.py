@@ -190,9 +190,10 @@ def length_estimate(
     context: dg.AssetExecutionContext, storage: StorageResource, engine: EngineResource
 ) -> dg.MaterializeResult:
     job = _job(context, storage)
+    manifest = job.manifest()
     started = time.monotonic()
     with _stoppable(job):
-        report, stats = estimate_lengths(job, lambda: load_interruptibly(lambda: engine.engine_for(job.manifest())))
+        report, stats = estimate_lengths(job, lambda: load_interruptibly(lambda: engine.engine_for(manifest, job)))
     record_timing(job, "estimate", time.monotonic() - started)
     return dg.MaterializeResult(metadata={**report.model_dump(), **stats})
 
@@ -224,7 +225,7 @@ def generations(
             context.log.info(f"{done}/{total} rows done, {tokens} tokens generated")
 
     with _stoppable(job):
-        summary = run_shard(job, shard, lambda: engine.engine_for(manifest), progress=progress)
+        summary = run_shard(job, shard, lambda: engine.engine_for(manifest, job), progress=progress)
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     record_served(job, dict(summary.served_by))

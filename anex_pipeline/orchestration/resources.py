@@ -8,10 +8,11 @@ import os
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineConfig, engine_for, machine_engine, release_engines
+from anex_pipeline.engine import Engine, EngineConfig, engine_for, engine_report, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.storage import StorageConfig
-from anex_pipeline.workdir.manifest import JobManifest
+from anex_pipeline.workdir.manifest import JobDir, JobManifest
+from anex_pipeline.workdir.timing import record_engine
 
 
 class StorageResource(dg.ConfigurableResource, StorageConfig):
@@ -54,10 +55,15 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         fields = {name: getattr(config, name) for name in EngineConfig.model_fields}
         return cls(**fields, keep_loaded=keep_loaded, machine_server=False)
 
-    def engine_for(self, manifest: JobManifest) -> Engine:
+    def engine_for(self, manifest: JobManifest, job: JobDir | None = None) -> Engine:
+        """The job's engine; with ``job``, what it is goes into the job's report."""
         if self.machine_server:
-            return machine_engine(self.plain(), manifest, self.machine_server_idle_s)
-        return engine_for(self.plain(), manifest)
+            engine = machine_engine(self.plain(), manifest, self.machine_server_idle_s)
+        else:
+            engine = engine_for(self.plain(), manifest)
+        if job is not None:
+            record_engine(job, engine_report(engine))
+        return engine
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if not self.keep_loaded:

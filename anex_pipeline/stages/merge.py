@@ -23,7 +23,7 @@ from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, 
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
-from anex_pipeline.workdir.timing import read_served, read_timings, record_timing
+from anex_pipeline.workdir.timing import read_engine, read_served, read_timings, record_timing
 
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
 
@@ -243,6 +243,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport
         reused_answer_rows=tally.reused,
         reused_sample_rows=_reused_sample_rows(job, manifest),
         served_by=read_served(job),
+        engine=read_engine(job),
         cost=_cost(manifest, usage),
     )
 

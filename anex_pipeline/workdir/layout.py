@@ -42,6 +42,7 @@ DEADLINE = "deadline.json"
 STOP = "stop.json"
 TIMINGS = "timings.json"
 SERVED_BY = "served_by.json"  # rows each model server answered
+ENGINE = "engine.json"  # the engine the job last ran on, for the report
 RESULT_STEM = "result"
 REPORT = "report.json"
 LEASE = "cli.lock"

@@ -163,6 +163,10 @@ class JobDir:
         return self.root / layout.SERVED_BY
 
     @property
+    def engine_path(self) -> Path:
+        return self.root / layout.ENGINE
+
+    @property
     def lease_path(self) -> Path:
         return self.root / layout.LEASE
 

@@ -1,11 +1,12 @@
 """Figures a job adds up over its shards and reruns, kept in its work folder for the report: the
-seconds of each stage, and the rows each model server answered."""
+seconds of each stage, the rows each model server answered, and the engine they ran on."""
 
 from __future__ import annotations
 
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 from anex_pipeline.workdir.manifest import JobDir, atomic_write_text
 
@@ -41,3 +42,12 @@ def record_served(job: JobDir, rows_by_server: dict[str, int]) -> None:
 
 def read_served(job: JobDir) -> dict[str, int]:
     return {server: int(rows) for server, rows in _read(job.served_by_path).items()}
+
+
+def record_engine(job: JobDir, section: dict[str, Any]) -> None:
+    """Keeps the report's account of the engine the job's rows ran on (the latest one)."""
+    atomic_write_text(job.engine_path, json.dumps(section, indent=2, sort_keys=True))
+
+
+def read_engine(job: JobDir) -> dict[str, Any] | None:
+    return json.loads(job.engine_path.read_text()) if job.engine_path.exists() else None
