@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from anex_pipeline import metrics
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
@@ -65,7 +66,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         if settings in _loaded:
             return _loaded[settings]
         if isinstance(settings, HttpSettings):
-            engine = _loaded[settings] = OpenAIHttpEngine(settings)
+            with metrics.engine_load() as ready:
+                engine = _loaded[settings] = OpenAIHttpEngine(settings)
+                ready(engine)
             progress.info("sending rows to the model server(s) at %s", engine.root)
             return engine
         failed = _failed.get(settings)
@@ -79,7 +82,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
         try:
-            engine = VllmLocalEngine(settings)
+            with metrics.engine_load() as ready:
+                engine = VllmLocalEngine(settings)
+                ready(engine)
         except Exception as exc:
             from anex_pipeline.stopping import JobStopped
 
@@ -103,6 +108,7 @@ def release_engines() -> None:
     try:
         while _loaded:
             _shutdown(_loaded.popitem()[1])
+        metrics.engines_released()
     finally:
         _lock.release()
 
