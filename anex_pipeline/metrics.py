@@ -43,9 +43,7 @@ CACHED_TOKENS = Counter(
     ["endpoint"],
     registry=REGISTRY,
 )
-ROWS_IN_FLIGHT = Gauge(
-    "anex_rows_in_flight", "Rows handed to the engine that have not finished yet", registry=REGISTRY
-)
+ROWS_IN_FLIGHT = Gauge("anex_rows_in_flight", "Rows handed to the engine that have not finished yet", registry=REGISTRY)
 ENGINE_READY_SECONDS = Gauge(
     "anex_engine_ready_seconds", "How long the latest engine load took, until the engine was ready", registry=REGISTRY
 )

@@ -120,13 +120,6 @@ def submit(sdk: OpenAI, path: Path, options: dict[str, Any] | None = None) -> Ba
     )
 
 
-@pytest.fixture
-def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
-    """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
-    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
-    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(SLOW_FAKE))
-
-
 def rows(n: int, long_one: int | None = None) -> list[dict[str, Any]]:
     """Chat rows; the row ``long_one`` has a prompt over the fake engine's context, so it fails."""
     return [chat_row(f"r{i}", "word " * 300 if i == long_one else f"question number {i}") for i in range(n)]
@@ -713,10 +706,13 @@ def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
 
 
 @contextmanager
-def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def serve_process(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``anex-pipeline serve`` on the slow fake engine in a process (and process group) of its
-    own, on a free loopback port, with both tenants' keys; yields the process and the SDK's
-    base_url once it answers. Its output goes to files, so no unread pipe can fill and stall it."""
+    own, on a free loopback port, with both tenants' keys and these further ``flags`` and
+    environment; yields the process and the SDK's base_url once it answers. Its output goes to
+    files, so no unread pipe can fill and stall it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -728,11 +724,12 @@ def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
         "ANEX_BATCH_API_KEYS": f"{KEY_A},{KEY_B}",
         "ANEX_FAKE_ROW_DELAY_S": "0.1",
         "NO_PROXY": "127.0.0.1",
+        **(env or {}),
     }
     command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
     with (tmp_path / "serve.log").open("ab") as log:
         process = subprocess.Popen(
-            [*command, "--work-dir", str(tmp_path / "work")],
+            [*command, "--work-dir", str(tmp_path / "work"), *flags],
             env=env,
             cwd=Path(__file__).parent.parent,
             stdout=log,

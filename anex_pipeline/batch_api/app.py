@@ -410,9 +410,9 @@ def create_app(
         if warm_up:
             worker.warm_up(served.names[0] if served.names else None)
         yield
-        await run_in_threadpool(worker.close)
-        if sender is not None:
+        if sender is not None:  # its pending events wait, stored, for the next start
             await run_in_threadpool(sender.close)
+        await run_in_threadpool(worker.close)
         metrics.watch_batches(None)
 
     routes = [

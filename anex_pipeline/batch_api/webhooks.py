@@ -163,12 +163,22 @@ class WebhookSender:
         attempts = pending["attempts"] + 1
         if time.time() - event["created_at"] > GIVE_UP_S:
             metrics.WEBHOOKS.labels("dropped").inc()
-            log.warning("webhook %s for batch %s dropped after %d tries: %s", event["type"], event["data"]["id"],
-                        attempts, problem)
+            log.warning(
+                "webhook %s for batch %s dropped after %d tries: %s",
+                event["type"],
+                event["data"]["id"],
+                attempts,
+                problem,
+            )
             self.store.forget_event(event["id"])
             return None
         metrics.WEBHOOKS.labels("failed").inc()
         delay = min(self.settings.retry_first_s * 2 ** (attempts - 1), RETRY_MOST_S)
-        log.warning("webhook %s for batch %s not delivered (%s); trying again in %.0f s", event["type"],
-                    event["data"]["id"], problem, delay)
+        log.warning(
+            "webhook %s for batch %s not delivered (%s); trying again in %.0f s",
+            event["type"],
+            event["data"]["id"],
+            problem,
+            delay,
+        )
         return self.store.retry_event(event["id"], attempts, time.time() + delay)

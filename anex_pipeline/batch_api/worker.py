@@ -17,6 +17,7 @@ resumes it from its checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -24,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -283,4 +283,3 @@ def refusal(host: str, port: int, allowed_hosts: Iterable[str], allowed_by: str)
     except httpcore.ConnectError:
         return None
     return None
-
