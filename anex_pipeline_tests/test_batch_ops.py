@@ -30,6 +30,7 @@ from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.webhooks import WebhookSettings
 from anex_pipeline.engine import register_engine
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import MediaOptions
 from anex_pipeline_tests.conftest import write_jsonl
 from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 from anex_pipeline_tests.test_batch_api import (
@@ -313,3 +314,43 @@ def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
             process.wait()
     with pytest.raises(httpx.TransportError):  # the job's end closes the port
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_a_busy_or_impossible_metrics_port_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    out = tmp_path / "out.jsonl"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for given, expected in ((str(port), "cannot listen on 127.0.0.1"), ("70000", "from 1 to 65535")):
+            command = ["run", str(src), "-o", str(out), "--metrics-port", given, "--work-dir", str(tmp_path / "w")]
+            assert cli.main(command) == 2
+            (line,) = capsys.readouterr().err.splitlines()
+            assert line.startswith("error: --metrics-port") and expected in line, line
+    assert not out.exists()
+
+
+def test_media_fetches_count_downloads_hits_and_failures(media_server: Any) -> None:
+    from anex_pipeline.media.fetcher import MediaFetcher, MediaFetchError
+    from anex_pipeline_tests.test_media import allowing
+
+    def counted() -> tuple[float, float, float]:
+        figures = {
+            s.name: s.value for f in text_string_to_metric_families(metrics.exposition().decode()) for s in f.samples
+        }
+        return tuple(figures[f"anex_media_{n}_total"] for n in ("downloads", "cache_hits", "failures"))  # type: ignore[return-value]
+
+    before = counted()
+    url = media_server.url("/img/a.png")
+    with MediaFetcher(allowing(media_server)) as first:
+        first.fetch(url)
+        first.fetch(url)  # the same URL again within one fetcher: no second count
+    with MediaFetcher(allowing(media_server)) as second:
+        second.fetch(url)
+    with MediaFetcher(MediaOptions()) as refused, pytest.raises(MediaFetchError):
+        refused.fetch(url)  # loopback without the operator's leave
+    after = counted()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1]

@@ -144,6 +144,15 @@ def _base_url(given: list[str] | None) -> str | None:
 def cmd_run(args: argparse.Namespace) -> int:
     raw = collect_options(args)
     metrics_server = _metrics_server(args.metrics_port)
+    try:
+        return _run_job(args, raw)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+def _run_job(args: argparse.Namespace, raw: dict[str, Any]) -> int:
     runner = _runner(args)
 
     def run() -> Any:
@@ -160,11 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return runner.run(job)
 
-    try:
-        return _report_of(runner, run)
-    finally:
-        if metrics_server is not None:
-            metrics_server.shutdown()
+    return _report_of(runner, run)
 
 
 def _metrics_server(port: int | None) -> Any:
