@@ -354,3 +354,41 @@ def test_media_fetches_count_downloads_hits_and_failures(media_server: Any) -> N
         refused.fetch(url)  # loopback without the operator's leave
     after = counted()
     assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1]
+
+
+@pytest.mark.engine
+def test_a_real_engine_load_turns_health_ready_and_its_batch_shows_in_the_metrics(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    """serve loads real vLLM as it starts: /health answers 503 until it is loaded (unless an
+    earlier test of the session loaded it already), then 200; a 3-row batch's counts and usage
+    equal what /metrics counted."""
+    loaded_before = metrics.engine_state() == "ready"
+    src = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    with serving(real_runner) as url:
+        root = url.removesuffix("/v1")
+        first = httpx.get(f"{root}/health", timeout=10)
+        assert (
+            first.status_code == 200
+            if loaded_before
+            else (first.status_code, first.json()) == (503, {"status": "loading"})
+        )
+        deadline = time.monotonic() + 300
+        while httpx.get(f"{root}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not become ready"
+            time.sleep(0.5)
+        before = scrape(url)
+        assert before["anex_engine_state{state=ready}"] == 1
+        assert loaded_before or before["anex_engine_ready_seconds{}"] > 1
+        sdk = client(url)
+        batch = wait(sdk, submit(sdk, src, {"max_tokens": 8, "temperature": 0}).id, timeout=300)
+        after = scrape(url)
+    assert batch.status == "completed" and batch.request_counts is not None and batch.usage is not None
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("anex_rows_total{endpoint=chat,error_type=,outcome=completed}") == batch.request_counts.completed == 3
+    assert grew("anex_prompt_tokens_total{endpoint=chat}") == batch.usage.input_tokens
+    assert grew("anex_completion_tokens_total{endpoint=chat}") == batch.usage.output_tokens
+    assert grew("anex_cached_prompt_tokens_total{endpoint=chat}") == batch.usage.input_tokens_details.cached_tokens
