@@ -150,6 +150,26 @@ def test_a_wrong_signature_does_not_verify(tmp_path: Path, fake_runner: JobRunne
         other.webhooks.verify_signature(body, headers)
 
 
+def test_a_receiver_that_never_answers_holds_up_no_batch(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """The receiver takes the connection and never answers: while the first event's delivery
+    waits for it, later batches still run and end."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections wait in the backlog, never accepted, never answered
+        settings = WebhookSettings(
+            f"http://127.0.0.1:{silent.getsockname()[1]}/hook", SECRET, ("127.0.0.1",), timeout_s=120
+        )
+        with serving(fake_runner, webhook=settings) as url:
+            sdk = client(url)
+            first = wait(sdk, submit(sdk, src, {"max_tokens": 4}).id)
+            later = [wait(sdk, submit(sdk, src, {"max_tokens": 4, "seed": n}).id) for n in range(2)]
+            assert [b.status for b in (first, *later)] == ["completed"] * 3
+            pending = Store(fake_runner.instance, fake_runner.storage.work_root).pending_events()
+            assert [p["attempts"] for p in pending] == [0, 0, 0]  # the first is still on its first try
+            silent.close()  # the waiting connection is reset: the service can stop
+
+
 def test_an_event_survives_a_receiver_that_is_down_and_a_restart_of_serve(tmp_path: Path) -> None:
     """The receiver answers 503 twice; serve is stopped after the first failed try and started
     again: the event arrives once, every try with the same id."""

@@ -47,7 +47,7 @@ EVENT_TYPES = {
 RETRY_FIRST_S = 1.0  # the delay before the first retry; each further one doubles it
 RETRY_MOST_S = 600.0  # the longest delay between two tries
 GIVE_UP_S = 3 * 24 * 3600  # an event not delivered this long after it was made is dropped (OpenAI's 72 h)
-TIMEOUT_S = 10.0  # one delivery attempt, from connecting to the answer
+TIMEOUT_S = 10.0  # one delivery attempt, from connecting to the answer, by default
 ALLOWED_BY = "serve --webhook-allowed-host"
 
 
@@ -59,6 +59,7 @@ class WebhookSettings:
     secret: str
     allowed_hosts: tuple[str, ...] = ()
     retry_first_s: float = RETRY_FIRST_S
+    timeout_s: float = TIMEOUT_S
 
     def check(self) -> None:
         """Raises ValueError with one line when the URL or the secret cannot be used, or the
@@ -112,7 +113,7 @@ class WebhookSender:
         self.store = store
         self.settings = settings
         self.key = signing_key(settings.secret)
-        self.client = guarded_client(settings.allowed_hosts, ALLOWED_BY, TIMEOUT_S, "anex-pipeline webhooks")
+        self.client = guarded_client(settings.allowed_hosts, ALLOWED_BY, settings.timeout_s, "anex-pipeline webhooks")
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batch-webhooks", daemon=True)
 
@@ -123,7 +124,7 @@ class WebhookSender:
         """Stops sending (what is pending stays stored for the next start)."""
         self._closing.set()
         self.store.event_added.set()
-        self._thread.join(TIMEOUT_S + 5)
+        self._thread.join(self.settings.timeout_s + 5)
         self.client.close()
 
     def _loop(self) -> None:
