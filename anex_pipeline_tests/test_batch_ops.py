@@ -284,6 +284,25 @@ def test_health_is_503_while_the_engine_loads_and_models_lists_the_served_model(
         assert httpx.get(f"{url}/models", timeout=10).status_code == 401  # the list takes a key too
 
 
+def broken_engines(config: Any, manifest: Any) -> FakeEngine:
+    with metrics.engine_load():
+        raise RuntimeError("out of memory")
+
+
+def test_health_is_503_dead_when_the_engine_cannot_load(tmp_path: Path, fake_runner: JobRunner) -> None:
+    register_engine("broken-fake", broken_engines)
+    metrics.engines_released()
+    runner = JobRunner(fake_runner.instance, fake_runner.storage, fake_engine("broken-fake"))
+    with serving(runner) as url:
+        root = url.removesuffix("/v1")
+        deadline = time.monotonic() + 30
+        while (answer := httpx.get(f"{root}/health", timeout=10)).json() != {"status": "dead"}:
+            assert answer.status_code == 503 and time.monotonic() < deadline, answer.text
+            time.sleep(0.05)
+        assert answer.status_code == 503
+        assert scrape(url)["anex_engine_state{state=dead}"] == 1
+
+
 def test_a_running_batch_shows_its_usage_so_far(tmp_path: Path, slow_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(40))
     with serving(slow_runner) as url:
