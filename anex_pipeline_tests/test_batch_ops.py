@@ -221,12 +221,16 @@ def scrape(url: str) -> dict[str, float]:
     return found
 
 
-def test_metrics_after_a_batch_equal_its_counts_and_usage(tmp_path: Path, fake_runner: JobRunner) -> None:
+@pytest.mark.parametrize("options", [{"max_tokens": 8, "temperature": 0}, {"temperature": 0}], ids=["cap", "estimated"])
+def test_metrics_after_a_batch_equal_its_counts_and_usage(
+    tmp_path: Path, fake_runner: JobRunner, options: dict[str, Any]
+) -> None:
+    """With a cap, or with the cap estimated from a sample whose answers the rows reuse."""
     src = write_jsonl(tmp_path / "in.jsonl", rows(3, long_one=1))
     with serving(fake_runner, keys=[KEY_A]) as url:
         before = scrape(url)
         sdk = client(url)
-        batch = wait(sdk, submit(sdk, src, {"max_tokens": 8, "temperature": 0}).id)
+        batch = wait(sdk, submit(sdk, src, options).id)
         after = scrape(url)
     assert batch.status == "completed" and batch.request_counts is not None and batch.usage is not None
 
