@@ -138,6 +138,22 @@ def test_a_finished_and_a_cancelled_batch_send_one_signed_event_each(tmp_path: P
     assert headers["webhook-id"] == events[0]["id"] and headers["webhook-signature"].startswith("v1,")
 
 
+def test_a_batch_that_fails_or_reaches_its_time_limit_sends_its_event(tmp_path: Path, slow_runner: JobRunner) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(40))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"custom_id": "a", "body": {"messages": []}\nnot json\n')
+    with receiving() as receiver, serving(slow_runner, webhook=hook(receiver)) as url:
+        sdk = client(url)
+        failed = wait(sdk, submit(sdk, broken).id)
+        receiver.wait_for(1)
+        expired = wait(sdk, submit(sdk, src, {"max_tokens": 4, "checkpoint_rows": 1, "time_limit_s": 1.5}).id)
+        receiver.wait_for(2)
+        no_event_pending(slow_runner)
+    assert (failed.status, expired.status) == ("failed", "expired")
+    events = [(e["type"], e["data"]["id"]) for e in receiver.delivered()]
+    assert events == [("batch.failed", failed.id), ("batch.expired", expired.id)]
+
+
 def test_a_wrong_signature_does_not_verify(tmp_path: Path, fake_runner: JobRunner) -> None:
     """The SDK's check is not a formality: the same delivery fails it under another secret."""
     with receiving() as receiver, serving(fake_runner, webhook=hook(receiver)) as url:
