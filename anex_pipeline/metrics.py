@@ -2,8 +2,8 @@
 ``GET /metrics`` and ``run --metrics-port`` on its own port.
 
 Counters count what happened in this process since it started (rows, tokens, media): a
-restarted service starts them at zero, as Prometheus expects of a counter. Gauges are read when
-scraped (batches by status, the engine's state). No label holds a tenant's key or anything a
+restarted service starts them at zero, as Prometheus expects of a counter. Batches by status and
+the engine's state are read when scraped. No label holds a tenant's key or anything a
 tenant chose: labels are endpoints, outcomes, error types and states only.
 """
 
@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from anex_pipeline.spec import RowOutcome
 
 REGISTRY = CollectorRegistry()
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # what exposition() writes
 
 ROWS = Counter(
     "anex_rows",
