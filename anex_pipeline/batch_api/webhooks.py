@@ -28,12 +28,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from anex_pipeline import metrics
 from anex_pipeline.batch_api.objects import new_id, now
 from anex_pipeline.media.guard import guarded_client, refusal
+
+if TYPE_CHECKING:
+    from anex_pipeline.batch_api.store import Store
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
@@ -109,7 +112,7 @@ def batch_event(batch_id: str, status: str) -> dict[str, Any]:
 class WebhookSender:
     """Posts the store's pending events, on a thread of its own."""
 
-    def __init__(self, store: Any, settings: WebhookSettings):
+    def __init__(self, store: Store, settings: WebhookSettings):
         self.store = store
         self.settings = settings
         self.key = signing_key(settings.secret)
@@ -130,16 +133,25 @@ class WebhookSender:
     def _loop(self) -> None:
         while not self._closing.is_set():
             self.store.event_added.clear()
-            wake_at = None
-            for pending in self.store.pending_events():
-                if self._closing.is_set():
-                    return
-                if pending["next_at"] <= time.time():
-                    pending = self._deliver(pending)
-                if pending is not None:
-                    wake_at = pending["next_at"] if wake_at is None else min(wake_at, pending["next_at"])
+            try:
+                wake_at = self._send_due()
+            except Exception:  # the store failed (its database busy, say): the events stay; look again soon
+                log.exception("webhook events could not be read or updated; trying again")
+                wake_at = time.time() + self.settings.retry_first_s
             wait = None if wake_at is None else max(0.0, wake_at - time.time())
             self.store.event_added.wait(wait)
+
+    def _send_due(self) -> float | None:
+        """Tries every event that is due; when the next one falls due (None: none is pending)."""
+        wake_at = None
+        for pending in self.store.pending_events():
+            if self._closing.is_set():
+                return None
+            if pending["next_at"] <= time.time():
+                pending = self._deliver(pending)
+            if pending is not None:
+                wake_at = pending["next_at"] if wake_at is None else min(wake_at, pending["next_at"])
+        return wake_at
 
     def _deliver(self, pending: dict[str, Any]) -> dict[str, Any] | None:
         """One attempt; the event as still pending (with its next try), or None once it is done."""
