@@ -74,15 +74,6 @@ def fake_runner(tmp_path: Path, instance: dg.DagsterInstance) -> JobRunner:
     return JobRunner(instance, storage, fake_engine())
 
 
-@pytest.fixture
-def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
-    """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
-    from anex_pipeline_tests.fake_cli import SLOW_FAKE
-
-    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
-    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(SLOW_FAKE))
-
-
 def real_engine_resource(**more: Any) -> EngineResource:
     """The real vLLM engine in this process, sized for the CPU build and small test jobs (the
     machine's shared model server only where a test asks for it)."""

@@ -120,6 +120,13 @@ def submit(sdk: OpenAI, path: Path, options: dict[str, Any] | None = None) -> Ba
     )
 
 
+@pytest.fixture
+def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
+    """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
+    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
+    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(SLOW_FAKE))
+
+
 def rows(n: int, long_one: int | None = None) -> list[dict[str, Any]]:
     """Chat rows; the row ``long_one`` has a prompt over the fake engine's context, so it fails."""
     return [chat_row(f"r{i}", "word " * 300 if i == long_one else f"question number {i}") for i in range(n)]

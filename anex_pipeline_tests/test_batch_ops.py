@@ -41,10 +41,13 @@ from anex_pipeline_tests.test_batch_api import (
     rows,
     serve_process,
     serving,
+    slow_runner,
     submit,
     wait,
     wait_for_rows,
 )
+
+__all__ = ["slow_runner"]  # a fixture shared with the Batch API tests
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
