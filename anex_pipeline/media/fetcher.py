@@ -163,7 +163,8 @@ class MediaFetcher:
             try:
                 cached = self._cached_or_download(url)
             except BaseException as exc:
-                metrics.MEDIA_FAILURES.inc()
+                if isinstance(exc, MediaFetchError):  # not a stop that cut the fetch short
+                    metrics.MEDIA_FAILURES.inc()
                 future.set_exception(exc)
             else:
                 (metrics.MEDIA_HITS if cached.from_cache else metrics.MEDIA_DOWNLOADS).inc()
