@@ -713,10 +713,13 @@ def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
 
 
 @contextmanager
-def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def serve_process(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``anex-pipeline serve`` on the slow fake engine in a process (and process group) of its
-    own, on a free loopback port, with both tenants' keys; yields the process and the SDK's
-    base_url once it answers. Its output goes to files, so no unread pipe can fill and stall it."""
+    own, on a free loopback port, with both tenants' keys and these further ``flags`` and
+    environment; yields the process and the SDK's base_url once it answers. Its output goes to
+    files, so no unread pipe can fill and stall it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -728,11 +731,12 @@ def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
         "ANEX_BATCH_API_KEYS": f"{KEY_A},{KEY_B}",
         "ANEX_FAKE_ROW_DELAY_S": "0.1",
         "NO_PROXY": "127.0.0.1",
+        **(env or {}),
     }
     command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
     with (tmp_path / "serve.log").open("ab") as log:
         process = subprocess.Popen(
-            [*command, "--work-dir", str(tmp_path / "work")],
+            [*command, "--work-dir", str(tmp_path / "work"), *flags],
             env=env,
             cwd=Path(__file__).parent.parent,
             stdout=log,

@@ -26,6 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from anex_pipeline import metrics
 from anex_pipeline.batch_api.objects import (
     ApiError,
     BatchRecord,
@@ -37,6 +38,7 @@ from anex_pipeline.batch_api.objects import (
 )
 from anex_pipeline.batch_api.requests import ServedModels, batch_options, upload_expiry
 from anex_pipeline.batch_api.store import Store, key_hash
+from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
 from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
 from anex_pipeline.retention import forget_file
@@ -261,6 +263,22 @@ class BatchApi:
 
         return JSONResponse(await run_in_threadpool(page))
 
+    # -- what an operator watches ---------------------------------------------------------------
+    async def models_list(self, request: Request) -> Response:
+        self.owner(request)
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "anex-pipeline"} for name in self.models.listed()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, _: Request) -> Response:
+        """200 once the engine is ready; 503 while it loads, before its first load, or when it is dead."""
+        state = metrics.engine_state()
+        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
+
+    async def metrics_text(self, _: Request) -> Response:
+        return Response(await run_in_threadpool(metrics.exposition), media_type=metrics.CONTENT_TYPE)
+
     def _batch(self, request: Request) -> BatchRecord:
         batch_id = request.path_params["batch_id"]
         record = self.store.batch(batch_id, self.owner(request))
@@ -272,11 +290,11 @@ class BatchApi:
         """The Batch object; a retrieved batch that was created with embedded requests also lists
         its delivered rows once it is finished."""
         try:
-            counts, report = self.worker.progress(record)
+            counts, usage = self.worker.progress(record)
         except Exception:  # one batch whose job cannot be read must not break a listing
             log.exception("batch %s: its job's progress cannot be read", record.id)
-            counts, report = RequestCounts(), None
-        shown = record.public(counts, report)
+            counts, usage = RequestCounts(), None
+        shown = record.public(counts, usage)
         if with_results and record.embedded and record.finished:
             shown["results"] = self.worker.results(record)
         return shown
@@ -357,13 +375,17 @@ def create_app(
     media: MediaOptions | None = None,
     models: Sequence[str] = (),
     max_running_batches: int = MAX_RUNNING,
+    webhook: WebhookSettings | None = None,
+    warm_up: bool = True,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
     ``media`` is the operator's media policy (hosts and limits); callers may only narrow it.
     ``models`` are the models batches may name, the first one the default (see
     :class:`~anex_pipeline.batch_api.requests.ServedModels`).
-    Up to ``max_running_batches`` batches generate at once, sharing the engine."""
+    Up to ``max_running_batches`` batches generate at once, sharing the engine. With ``webhook``,
+    every batch that ends sends its event there (see :mod:`~anex_pipeline.batch_api.webhooks`).
+    With ``warm_up``, the engine of the default model starts loading as the service starts."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -374,13 +396,24 @@ def create_app(
             "(none are stored from an earlier start)"
         )
     worker = BatchWorker(runner, store, max_running_batches)
-    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), ServedModels(models))
+    served = ServedModels(models)
+    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served)
+    store.keep_events = webhook is not None
+    sender = WebhookSender(store, webhook) if webhook is not None else None
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        metrics.watch_batches(worker.queued)
+        if sender is not None:
+            sender.start()
         worker.start()
+        if warm_up:
+            worker.warm_up(served.names[0] if served.names else None)
         yield
+        if sender is not None:  # its pending events wait, stored, for the next start
+            await run_in_threadpool(sender.close)
         await run_in_threadpool(worker.close)
+        metrics.watch_batches(None)
 
     routes = [
         Route("/v1/files", api.create_file, methods=["POST"]),
@@ -392,6 +425,9 @@ def create_app(
         Route("/v1/batches", api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", api.retrieve_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", api.cancel_batch, methods=["POST"]),
+        Route("/v1/models", api.models_list, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from anex_pipeline.errors import AnexError, RowErrorType
-from anex_pipeline.spec import INVALID_VALUE, JobReport, RequestCounts
+from anex_pipeline.spec import INVALID_VALUE, RequestCounts, Usage
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -149,11 +149,12 @@ class BatchRecord(BaseModel):
     def finished(self) -> bool:
         return self.status in TERMINAL
 
-    def public(self, counts: RequestCounts, report: JobReport | None) -> dict[str, Any]:
-        """The Batch object as OpenAI's API returns it (``openai.types.Batch``)."""
+    def public(self, counts: RequestCounts, tokens: Usage | None) -> dict[str, Any]:
+        """The Batch object as OpenAI's API returns it (``openai.types.Batch``), with the job's
+        token usage so far."""
         usage = None
-        if report is not None:
-            u = report.usage
+        if tokens is not None:
+            u = tokens
             usage = {
                 "input_tokens": u.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},

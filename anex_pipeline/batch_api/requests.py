@@ -61,7 +61,7 @@ class ServedModels:
 
     def __init__(self, names: Sequence[str] = ()):
         self.names = tuple(names)
-        self._served = {_reference(n) for n in self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)}
+        self._served = {_reference(n) for n in self.listed()}
         if self.names:
             served = f"it serves {', '.join(self.names)}; a batch that names no model runs {self.names[0]}"
         else:
@@ -70,6 +70,10 @@ class ServedModels:
                 f"{DEFAULT_EMBEDDING_MODEL}; a batch that names no model runs the one of its endpoint"
             )
         self._refusal = f"This service does not serve the model the batch names: {served}."
+
+    def listed(self) -> tuple[str, ...]:
+        """The names ``GET /v1/models`` lists: the operator's, else the default models."""
+        return self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)
 
     def model_for(self, asked: Any, param: str) -> Any:
         """The model a batch runs (None: the job's default), or a 400 naming ``param`` when the

@@ -21,7 +21,9 @@ from typing import IO, Any
 
 import dagster as dg
 
+from anex_pipeline import metrics
 from anex_pipeline.batch_api.objects import BatchRecord, FileRecord, new_id, now
+from anex_pipeline.batch_api.webhooks import batch_event
 from anex_pipeline.workdir import layout
 
 PREFIX = "anex.batch_api."
@@ -49,6 +51,10 @@ class Store:
         # add_batch), and by a delete from its check that no unfinished batch uses the file to its
         # removal: of a batch made from a file and a delete of it, exactly one succeeds.
         self.inputs = threading.Lock()
+        # With webhooks on, a batch that ends keeps an event to send (see batch_api.webhooks);
+        # ``event_added`` wakes the sender.
+        self.keep_events = False
+        self.event_added = threading.Event()
 
     # -- key-value helpers ------------------------------------------------------------------------
     def _get_many(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -236,11 +242,48 @@ class Store:
             self._edit_list("active", lambda ids: [i for i in ids if i != record.id])
 
     def update_batch(self, batch_id: str, **changes: Any) -> BatchRecord:
-        """Re-reads the record and applies changes, so the worker and a cancel never undo each other."""
+        """Re-reads the record and applies changes, so the worker and a cancel never undo each other.
+        A batch that ends here gets its webhook event (stored first: a service that dies between
+        the two writes ends the batch again at its next start, and sends a second event rather
+        than none), and counts in the metrics."""
         with self._lock:
-            record = BatchRecord.model_validate(self._get(f"batch.{batch_id}")).model_copy(update=changes)
+            before = BatchRecord.model_validate(self._get(f"batch.{batch_id}"))
+            record = before.model_copy(update=changes)
+            ended = record.finished and not before.finished
+            if ended and self.keep_events:
+                self._add_event(batch_event(record.id, record.status))
             self.put_batch(record)
-            return record
+        if ended:
+            metrics.BATCHES_FINISHED.labels(record.status).inc()
+        return record
+
+    # -- webhook events ---------------------------------------------------------------------------
+    def _add_event(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._set(f"event.{event['id']}", {"event": event, "attempts": 0, "next_at": 0.0})
+            self._edit_list("events", lambda ids: [*ids, event["id"]])
+        self.event_added.set()
+
+    def pending_events(self) -> list[dict[str, Any]]:
+        """Events not delivered yet, oldest first: ``{"event", "attempts", "next_at"}``."""
+        ids = self._get("events") or []
+        found = self._get_many(f"event.{i}" for i in ids)
+        return [found[f"event.{i}"] for i in ids if found.get(f"event.{i}")]
+
+    def retry_event(self, event_id: str, attempts: int, next_at: float) -> dict[str, Any] | None:
+        """Records a failed attempt; the event as pending now (None if it is gone)."""
+        with self._lock:
+            pending = self._get(f"event.{event_id}")
+            if not pending:
+                return None
+            pending.update(attempts=attempts, next_at=next_at)
+            self._set(f"event.{event_id}", pending)
+            return pending
+
+    def forget_event(self, event_id: str) -> None:
+        with self._lock:
+            self._set(f"event.{event_id}", None)
+            self._edit_list("events", lambda ids: [i for i in ids if i != event_id])
 
     def batch(self, batch_id: str, owner: str | None = None) -> BatchRecord | None:
         """The batch (if ``owner`` is given: only when it belongs to that owner)."""

@@ -17,26 +17,30 @@ resumes it from its checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
+from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError
+from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import JobStopped, clear_stop, engine_loading, on_stop_signals, request_stop
-from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.manifest import JobDir, JobManifest
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
@@ -75,7 +79,7 @@ class BatchWorker:
             for n in range(max_running)
         ]
         self._threads = self._checkers + self._runners
-        self._counts: dict[Path, tuple[int, int, int]] = {}  # checkpoint -> (size, completed, failed)
+        self._saved: dict[Path, _Saved] = {}  # checkpoint -> its rows, as of its size then
 
     def start(self) -> None:
         """Takes up the batches a previous start left unfinished, then waits for new ones. A stop
@@ -85,6 +89,35 @@ class BatchWorker:
         on_stop_signals(self._wind_down)
         for thread in self._threads:
             thread.start()
+
+    def warm_up(self, model: str | None) -> None:
+        """Starts loading the engine of ``model`` (None: the bundled chat model) in the background,
+        so that the service is ready (``GET /health``) before the first batch arrives. A load that
+        fails is logged; the first batch that needs the engine tries again and fails with the reason."""
+        reference, name = resolve_model(model, "chat")
+        manifest = JobManifest(
+            job_id="serve-warm-up",
+            input="",
+            input_sha256="",
+            output="",
+            report="",
+            format="jsonl",
+            endpoint="chat",
+            model=reference,
+            model_name=name,
+            options={} if model is None else {"model": model},
+            total_rows=0,
+            shards=[],
+            submitted_at=time.time(),
+        )
+
+        def load() -> None:
+            try:
+                self.runner.engine.engine_for(manifest)
+            except Exception as exc:
+                log.warning("loading the engine for %s at start failed: %s", name, exc)
+
+        threading.Thread(target=load, name="batch-engine-warm-up", daemon=True).start()
 
     def close(self) -> None:
         """Stops the running jobs (they resume on the next start) and waits for them, unless one
@@ -130,9 +163,11 @@ class BatchWorker:
         return record
 
     # -- what a batch shows while it runs --------------------------------------------------------
-    def progress(self, record: BatchRecord) -> tuple[RequestCounts, JobReport | None]:
-        """Row counts of the batch's job: once finished, those of its output and error files; while
-        it runs, those of the shard generating (live) and of the others' checkpoints."""
+    def progress(self, record: BatchRecord) -> tuple[RequestCounts, Usage | None]:
+        """Row counts and token usage of the batch's job: once finished, those of its report (the
+        counts as its output and error files hold them); while it runs, the counts of the shard
+        generating (live) and of the others' checkpoints, and the usage of every shard's checkpoint
+        (written every ``checkpoint_rows`` rows)."""
         if record.job_id is None:
             return RequestCounts(), None
         with self._turn:  # a running job's folder keeps its parsed manifest between polls
@@ -145,27 +180,46 @@ class BatchWorker:
             counts = report.request_counts.model_copy()
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
-            return counts, report
+            return counts, report.usage
         if not job.exists():  # removed before it finished: no row is left to count
             return RequestCounts(), None
         manifest = job.manifest()
-        counts = RequestCounts(total=manifest.total_rows)
+        counts, usage = RequestCounts(total=manifest.total_rows), Usage()
         for shard in range(len(manifest.shards)):
+            saved = self._checkpoint(job, shard)
             live = live_progress(job, shard)
-            completed, failed = (live.done - live.failed, live.failed) if live else self._checkpoint_counts(job, shard)
-            counts.completed += completed
-            counts.failed += failed
-        return counts, None
+            counts.completed += live.done - live.failed if live else saved.completed
+            counts.failed += live.failed if live else saved.failed
+            for name in Usage.model_fields:
+                setattr(usage, name, getattr(usage, name) + getattr(saved.usage, name))
+        return counts, usage
 
-    def _checkpoint_counts(self, job: JobDir, shard: int) -> tuple[int, int]:
-        """A shard's finished rows, re-read only when its checkpoint has grown since the last look."""
+    def _checkpoint(self, job: JobDir, shard: int) -> _Saved:
+        """A shard's finished rows and their tokens, re-read only when its checkpoint has grown
+        since the last look."""
         path = job.checkpoint_path(shard)
         size = path.stat().st_size if path.exists() else 0
-        cached = self._counts.get(path)
-        if cached is None or cached[0] != size:
-            failed = [o.failed for o in job.outcomes(shard)]
-            cached = self._counts[path] = (size, failed.count(False), failed.count(True))
-        return cached[1], cached[2]
+        cached = self._saved.get(path)
+        if cached is None or cached.size != size:
+            cached = self._saved[path] = _Saved(size)
+            for o in job.outcomes(shard):
+                if o.failed:
+                    cached.failed += 1
+                else:
+                    cached.completed += 1
+                for name in Usage.model_fields:
+                    setattr(cached.usage, name, getattr(cached.usage, name) + getattr(o.usage, name))
+        return cached
+
+    def queued(self) -> tuple[dict[str, int], int]:
+        """Unfinished batches by status, and how many of them wait to be checked or for their turn
+        to generate (for the metrics)."""
+        unfinished = self.store.unfinished()
+        with self._turn:
+            busy = set(self._running) | set(self._checking)
+        by_status = Counter(r.status for r in unfinished)
+        waiting = sum(r.id not in busy and r.status in ("validating", "in_progress") for r in unfinished)
+        return dict(by_status), waiting
 
     # -- the threads -------------------------------------------------------------------------
     def _loop(self, jobs: queue.Queue[str | None], work: Callable[[str], None]) -> None:
@@ -344,6 +398,16 @@ class BatchWorker:
         record = self.store.batch(batch_id)
         if record is not None and not record.finished:
             self.store.update_batch(batch_id, errors=[BatchError(code="job_failed", message=message)], failed_at=now())
+
+
+@dataclass
+class _Saved:
+    """What a shard's checkpoint held when it was this size."""
+
+    size: int
+    completed: int = 0
+    failed: int = 0
+    usage: Usage = dataclasses.field(default_factory=Usage)
 
 
 def _unrun_code(record: BatchRecord) -> str | None:

@@ -152,6 +152,16 @@ def _base_url(given: list[str] | None) -> str | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     raw = collect_options(args)
+    metrics_server = _metrics_server(args.metrics_port)
+    try:
+        return _run_job(args, raw)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+def _run_job(args: argparse.Namespace, raw: dict[str, Any]) -> int:
     runner = _runner(args)
 
     def run() -> Any:
@@ -169,6 +179,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return runner.run(job)
 
     return _report_of(runner, run)
+
+
+def _metrics_server(port: int | None) -> Any:
+    """The job's metrics on 127.0.0.1:port, or None without a port."""
+    if port is None:
+        return None
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--metrics-port must be a port number from 1 to 65535, got {port}")
+    from anex_pipeline.metrics import serve_metrics
+
+    try:
+        return serve_metrics(port)
+    except OSError as exc:
+        raise UsageError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc.strerror or exc})") from None
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
@@ -329,9 +353,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for name in models:
             if why := model_unavailable(name):
                 raise UsageError(f"--model: {why}")
+    webhook = _webhook(args)
     runner = _runner(args)
     try:
-        app = create_app(runner, keys, media=media, models=models, max_running_batches=args.max_running_batches)
+        app = create_app(
+            runner,
+            keys,
+            media=media,
+            models=models,
+            max_running_batches=args.max_running_batches,
+            webhook=webhook,
+        )
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None
     with _ending_on_signals():
@@ -340,6 +372,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             runner.close()
     return ExitCode.OK
+
+
+def _webhook(args: argparse.Namespace) -> Any:
+    """The webhook of ``serve`` (flags first, then the environment), checked; None without a URL."""
+    from anex_pipeline.batch_api.webhooks import WebhookSettings
+
+    url = args.webhook_url or os.environ.get("ANEX_WEBHOOK_URL")
+    secret = args.webhook_secret or os.environ.get("ANEX_WEBHOOK_SECRET")
+    if not url:
+        if secret or args.webhook_allowed_host:
+            raise UsageError("--webhook-secret and --webhook-allowed-host need --webhook-url (or ANEX_WEBHOOK_URL)")
+        return None
+    if not secret:
+        raise UsageError("--webhook-url needs --webhook-secret (or ANEX_WEBHOOK_SECRET): whsec_ followed by base64")
+    settings = WebhookSettings(url, secret, tuple(args.webhook_allowed_host or ()))
+    try:
+        settings.check()
+    except ValueError as exc:
+        raise UsageError(f"--webhook-url/--webhook-secret: {exc}") from None
+    return settings
 
 
 class _Signalled(Exception):

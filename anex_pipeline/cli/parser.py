@@ -191,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", default=None, help="report path; default <output>.report.json")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics of the job on http://127.0.0.1:PORT/metrics while it runs",
+    )
     _add_option_flags(run)
     _engine_flags(run)
 
@@ -248,6 +255,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         metavar="N",
         help="batches generating at once, their rows batched together on the one engine (default: 4)",
+    )
+    srv.add_argument(
+        "--webhook-url",
+        default=None,
+        metavar="URL",
+        help="POST a signed event there when a batch ends (batch.completed, .failed, .cancelled, .expired); "
+        "default $ANEX_WEBHOOK_URL",
+    )
+    srv.add_argument(
+        "--webhook-secret",
+        default=None,
+        metavar="SECRET",
+        help="the events' signing secret, whsec_ followed by base64; default $ANEX_WEBHOOK_SECRET",
+    )
+    srv.add_argument(
+        "--webhook-allowed-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="let webhooks reach HOST (or HOST:PORT) although it is a loopback, private or metadata address "
+        "(repeatable)",
     )
     srv.add_argument("--quiet", action="store_true", help="no progress lines")
     srv.add_argument("--verbose", action="store_true", help="show the engine's own log lines")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from anex_pipeline import metrics
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.engine_args import canonical, vllm_version
@@ -68,7 +69,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         if settings in _loaded:
             return _loaded[settings]
         if isinstance(settings, HttpSettings):
-            engine = _loaded[settings] = OpenAIHttpEngine(settings)
+            with metrics.engine_load() as ready:
+                engine = _loaded[settings] = OpenAIHttpEngine(settings)
+                ready(engine)
             progress.info("sending rows to the model server(s) at %s", engine.root)
             return engine
         failed = _failed.get(settings)
@@ -82,7 +85,9 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         started = time.monotonic()
         progress.info("loading %s into vLLM", settings.model_name)
         try:
-            engine = VllmLocalEngine(settings)
+            with metrics.engine_load() as ready:
+                engine = VllmLocalEngine(settings)
+                ready(engine)
         except Exception as exc:
             from anex_pipeline.stopping import JobStopped
 
@@ -106,6 +111,7 @@ def release_engines() -> None:
     try:
         while _loaded:
             _shutdown(_loaded.popitem()[1])
+        metrics.engines_released()
     finally:
         _lock.release()
 

@@ -35,6 +35,7 @@ import diskcache
 import httpcore
 import httpx
 
+from anex_pipeline import metrics
 from anex_pipeline.engine.models import cache_root
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.guard import (
@@ -160,9 +161,14 @@ class MediaFetcher:
                 future = self._results[url] = Future()
         if owner:
             try:
-                future.set_result(self._cached_or_download(url))
+                cached = self._cached_or_download(url)
             except BaseException as exc:
+                if isinstance(exc, MediaFetchError):  # not a stop that cut the fetch short
+                    metrics.MEDIA_FAILURES.inc()
                 future.set_exception(exc)
+            else:
+                (metrics.MEDIA_HITS if cached.from_cache else metrics.MEDIA_DOWNLOADS).inc()
+                future.set_result(cached)
         return future.result()
 
     def checked(self, ref: MediaRef) -> Cached:

@@ -158,8 +158,9 @@ class _GuardedBackend(httpcore.SyncBackend):
     name cannot resolve to a public address for the check and a private one for the connection.
     """
 
-    def __init__(self, allowed: frozenset[tuple[str, int | None]]):
+    def __init__(self, allowed: frozenset[tuple[str, int | None]], allowed_by: str = "the job's media.allowed_hosts"):
         self.allowed = allowed
+        self.allowed_by = allowed_by  # what lets a refused host through, for the refusal's message
 
     def addresses(self, host: str, port: int) -> list[str] | None:
         """The checked addresses of host:port, or None when the allow-list names it (it is then
@@ -176,8 +177,8 @@ class _GuardedBackend(httpcore.SyncBackend):
             if problem:
                 where = f"{host} is {problem}" if address == host else f"{host} resolves to {address}, {problem}"
                 raise _Refused(
-                    f"{where}; loopback, private, link-local and cloud-metadata hosts are refused unless the "
-                    "job's media.allowed_hosts names them"
+                    f"{where}; loopback, private, link-local and cloud-metadata hosts are refused unless "
+                    f"{self.allowed_by} names them"
                 )
         return addresses
 
@@ -253,11 +254,32 @@ class _GuardedTransport(httpx.BaseTransport):
         self._pool.close()
 
 
-def _client(options: MediaOptions, backend: _GuardedBackend) -> httpx.Client:
+def _client(
+    options: MediaOptions, backend: _GuardedBackend, user_agent: str = "anex-pipeline media fetcher"
+) -> httpx.Client:
     return httpx.Client(
         transport=_GuardedTransport(backend),
         timeout=options.timeout_s,
         follow_redirects=False,
         trust_env=False,  # a proxy from the environment would connect on our behalf, unchecked
-        headers={"User-Agent": "anex-pipeline media fetcher"},
+        headers={"User-Agent": user_agent},
     )
+
+
+def guarded_client(allowed_hosts: Iterable[str], allowed_by: str, timeout_s: float, user_agent: str) -> httpx.Client:
+    """An httpx client for other outbound requests (webhooks) under the same address policy, with
+    ``allowed_hosts`` let through; ``allowed_by`` names that setting in a refusal. A connection
+    the policy refuses raises before a byte is sent."""
+    backend = _GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by)
+    return _client(MediaOptions(timeout_s=timeout_s), backend, user_agent)
+
+
+def refusal(host: str, port: int, allowed_hosts: Iterable[str], allowed_by: str) -> str | None:
+    """Why the policy refuses host:port right now (None: allowed, or the name does not resolve)."""
+    try:
+        _GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by).addresses(host, port)
+    except _Refused as exc:
+        return str(exc)
+    except httpcore.ConnectError:
+        return None
+    return None

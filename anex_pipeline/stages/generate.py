@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field, fields
 
+from anex_pipeline import metrics
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
 from anex_pipeline.formats import InputRow, StoredOutcome
 from anex_pipeline.responses import as_response
@@ -98,6 +99,7 @@ def run_shard(
     samples = {i: o for i, o in reusable_samples(job, estimate, rng.start, rng.stop).items() if i not in finished}
     if samples:
         job.record_outcomes(shard, samples.values())
+        metrics.rows_finished(manifest.endpoint, samples.values())
         finished.update(samples)
         summary.reused_from_sample = len(samples)
 
@@ -130,6 +132,7 @@ def run_shard(
                     job.record_outcomes(shard, unsaved)
                     unsaved = []
                 live.add(outcomes)
+                metrics.rows_finished(manifest.endpoint, outcomes)
                 if progress:
                     progress(live.done, live.total, live.completion_tokens)
     finally:
@@ -169,6 +172,7 @@ class _Feed:
         self.waiting: dict[str, list[EngineRequest]] = {}  # fingerprint -> rows waiting for its answer
         self.asked: dict[int, str] = {}  # row index -> fingerprint, for deterministic rows sent
         self.found: list[RowOutcome] = []  # outcomes that needed no engine (copies, media failures)
+        self.in_flight = 0  # rows handed to the engine that have not come back
         self.requests = self._requests()
 
     def _requests(self) -> Iterator[EngineRequest]:
@@ -182,7 +186,7 @@ class _Feed:
                 req = resolve_request(row, m.job_id, m.endpoint, self.options, self.max_tokens, self.budget)
                 key = fingerprint(req) if self.options.reuse_answers else None
                 if key is None:
-                    yield req
+                    yield self._sent(req)
                 elif (known := self.book.get(key)) is not None:
                     self.found.append(copy_for(known, req))
                     self.summary.reused_identical += 1
@@ -192,7 +196,12 @@ class _Feed:
                 else:
                     self.waiting[key] = []
                     self.asked[req.index] = key
-                    yield req
+                    yield self._sent(req)
+
+    def _sent(self, req: EngineRequest) -> EngineRequest:
+        self.in_flight += 1
+        metrics.ROWS_IN_FLIGHT.inc()
+        return req
 
     def delivered(self, group: list[RowOutcome]) -> list[RowOutcome]:
         """The engine's finished rows plus the copies of their answers and what needed no engine."""
@@ -200,10 +209,14 @@ class _Feed:
         self.book.add(answered)
         copies = [copy_for(o, req) for key, o in answered for req in self.waiting.pop(key)]
         self.summary.generated += len(group)
+        self.in_flight -= len(group)
+        metrics.ROWS_IN_FLIGHT.dec(len(group))
         extra, self.found = self.found, []
         return group + copies + extra
 
     def close(self) -> None:
+        metrics.ROWS_IN_FLIGHT.dec(self.in_flight)  # a stop or an error drops them
+        self.in_flight = 0
         self.book.close()
 
 
