@@ -9,28 +9,127 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from anex_pipeline.console import PROGRESS_FIELD, ProgressDisplay, ProgressHandler, ShardProgress
+from anex_pipeline.console import (
+    PROGRESS_FIELD,
+    EngineLoad,
+    ProgressDisplay,
+    ProgressHandler,
+    ShardProgress,
+    summary_lines,
+)
+from anex_pipeline.spec import JobReport, RequestCounts, Throughput, Usage
 from anex_pipeline_tests.conftest import write_jsonl
 from anex_pipeline_tests.test_stop_real import COMMAND, story_rows
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def loaded(display: ProgressDisplay, clock: FakeClock, seconds: float) -> None:
+    """The engine's loading as the engine module reports it, taking ``seconds``."""
+    display.engine(EngineLoad("m", "loading"), "[anex] loading m into vLLM")
+    clock.t += seconds
+    display.engine(EngineLoad("m", "ready"), f"[anex] engine ready in {seconds:.1f} s")
+
+
 def test_plain_progress_lines_at_each_tenth_with_rate_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
-    display = ProgressDisplay(tty=False, every_s=3600)
-    for done in range(0, 61):  # two shards of 60 rows, one after the other, a row at a time
-        display.update(ShardProgress("job", 0, done, 60, completion_tokens=5 * done))
-    for done in range(0, 61):
-        display.update(ShardProgress("job", 1, done, 60, completion_tokens=5 * done))
+    clock = FakeClock()
+    display = ProgressDisplay(tty=False, every_s=3600, clock=clock)
+    loaded(display, clock, 5)
+    for shard in (0, 1):  # two shards of 60 rows, one after the other, a row a second
+        for done in range(0, 61):
+            display.update(ShardProgress("job", shard, done, 60, completion_tokens=5 * done))
+            clock.t += 1
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("[anex] 0/60 rows (0%)")  # the second shard is not known yet
-    assert lines[-1].startswith("[anex] 120/120 rows (100%)")
+    assert lines[:3] == ["[anex] loading m into vLLM", "[anex] engine ready in 5.0 s", "[anex] 0/60 rows (0%)"]
+    assert lines[-1].startswith("[anex] 120/120 rows (100%), 1.0 rows/s, 5.0 output tok/s")
     middle = [line for line in lines if "/120 rows" in line and not line.startswith("[anex] 120/120")]
     assert 3 <= len(middle) <= 12  # one line per tenth of the job, not one per row
-    assert all("output tok/s" in line for line in lines)
-    assert any("left" in line for line in middle)  # an ETA while rows remain
+    assert all("rows/s" in line and "output tok/s" in line and "left" in line for line in middle)
+
+
+def test_no_rows_before_the_engine_is_ready_and_rates_count_from_generation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A shard that waits 90 s for its engine, then 8 rows in 8 s at 25 output tok/s: nothing is
+    said about rows during the load, and the rate and time left are the generation's."""
+    clock = FakeClock()
+    display = ProgressDisplay(tty=False, every_s=3600, clock=clock)
+    display.update(ShardProgress("job", 0, 0, 8, waiting=True))
+    display.engine(EngineLoad("m", "loading"), "[anex] loading m into vLLM")
+    clock.t += 90
+    display.engine(EngineLoad("m", "ready"), "[anex] engine ready in 90.0 s")
+    display.update(ShardProgress("job", 0, 0, 8))
+    for done in range(1, 9):
+        clock.t += 1
+        display.update(ShardProgress("job", 0, done, 8, completion_tokens=25 * done))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == ["[anex] loading m into vLLM", "[anex] engine ready in 90.0 s", "[anex] 0/8 rows (0%)"]
+    assert "[anex] 4/8 rows (50%), 1.0 rows/s, 25.0 output tok/s, about 4.0s left" in lines
+    assert lines[-1] == "[anex] 8/8 rows (100%), 1.0 rows/s, 25.0 output tok/s"
+
+
+def test_the_rate_starts_again_after_a_pause(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows at 1 a second, a minute with none (a model server died and its rows went to the
+    others), then 1 every 2 seconds: the time left is the new pace's, not an average over the pause."""
+    clock = FakeClock()
+    display = ProgressDisplay(tty=False, every_s=0, clock=clock)
+    loaded(display, clock, 1)
+    display.update(ShardProgress("job", 0, 0, 100))
+    for done in range(1, 41):
+        clock.t += 1
+        display.update(ShardProgress("job", 0, done, 100))
+    clock.t += 60
+    for done in range(41, 51):
+        clock.t += 2
+        display.update(ShardProgress("job", 0, done, 100))
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "[anex] 50/100 rows (50%), 0.5 rows/s, 0.0 output tok/s, about 1m40s left", last
+
+
+def test_an_engine_loaded_again_restarts_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    display = ProgressDisplay(tty=False, every_s=0, clock=clock)
+    loaded(display, clock, 1)
+    for done in range(0, 11):
+        display.update(ShardProgress("job", 0, done, 20))
+        clock.t += 1
+    display.update(ShardProgress("job", 0, 10, 20, waiting=True))  # the step runs again after the engine died
+    loaded(display, clock, 120)
+    display.update(ShardProgress("job", 0, 10, 20))
+    for done in range(11, 15):
+        clock.t += 0.5
+        display.update(ShardProgress("job", 0, done, 20))
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "[anex] 14/20 rows (70%), 2.0 rows/s, 0.0 output tok/s, about 3.0s left", last
+
+
+def test_a_terminal_shows_the_loading_time_as_it_grows(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    display = ProgressDisplay(tty=True, clock=clock)
+    display.update(ShardProgress("job", 0, 0, 8, waiting=True))
+    display.engine(EngineLoad("m", "loading"), "[anex] loading m into vLLM")
+    clock.t += 42
+    seen, deadline = "", time.monotonic() + 10
+    while "(42s)" not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen += capsys.readouterr().err
+    assert "\r\x1b[K[anex] loading m into vLLM (0.0s)" in seen and "[anex] loading m into vLLM (42s)" in seen
+    display.engine(EngineLoad("m", "ready"), "[anex] engine ready in 42.0 s")
+    display.close()
+    after = capsys.readouterr().err
+    assert after.endswith("\r\x1b[K[anex] engine ready in 42.0 s\n"), repr(after)
+    assert "rows" not in seen + after  # the waiting shard said nothing about rows
 
 
 def test_progress_records_feed_the_display_and_other_records_are_printed(
@@ -42,14 +141,50 @@ def test_progress_records_feed_the_display_and_other_records_are_printed(
     handler = ProgressHandler(ProgressDisplay(tty=False))
     log.addHandler(handler)
     try:
-        log.info("loading the model")
+        log.info("checking the input")
+        log.info("loading m into vLLM", extra={PROGRESS_FIELD: EngineLoad("m", "loading")})
+        log.info("shard 0: 0/10 rows", extra={PROGRESS_FIELD: ShardProgress("job", 0, 0, 10, waiting=True)})
+        log.info("engine ready in 3.0 s", extra={PROGRESS_FIELD: EngineLoad("m", "ready")})
         log.info("shard 0: 5/10 rows", extra={PROGRESS_FIELD: ShardProgress("job", 0, 5, 10)})
     finally:
         log.removeHandler(handler)
     assert capsys.readouterr().err.splitlines() == [
-        "[anex] loading the model",
-        "[anex] 5/10 rows (50%), 0.0 output tok/s",
+        "[anex] checking the input",
+        "[anex] loading m into vLLM",
+        "[anex] engine ready in 3.0 s",
+        "[anex] 5/10 rows (50%)",
     ]
+
+
+def test_the_summary_is_a_few_aligned_lines() -> None:
+    report = JobReport(
+        job_id="j",
+        status="completed",
+        output="out/r.jsonl",
+        request_counts=RequestCounts(total=10, completed=6, failed=4, format_error_rows=1),
+        error_counts={"context_length_exceeded": 2, "media_fetch_error": 1, "server_error": 1, "length": 3},
+        usage=Usage(prompt_tokens=500, completion_tokens=120, cached_prompt_tokens=128),
+        throughput=Throughput(rows_per_s=1.25, output_tokens_per_s=25.7),
+        cost=0.01234,
+    )
+    spent = {"engine_load": 91.2, "generate": 6.5, "estimate": 0.4, "merge": 0.1}
+    lines = summary_lines(report, "out/r.jsonl.report.json", "jsonl", spent, 98.0)
+    assert lines == [
+        "status      completed",
+        "rows        6 completed, 4 failed, 1 format errors, of 10",
+        "errors      3 length, 2 context_length_exceeded, 1 media_fetch_error, and 1 more kind",
+        "tokens      500 in (128 cached), 120 out",
+        "time        1m38s: engine start 1m31s, generation 6.9s",
+        "speed       25.7 output tok/s, 1.2 rows/s",
+        "cost        0.0123 (at the job's prices)",
+        "result      out/r.jsonl",
+        "error rows  the 4 rows of the result whose error is set",
+        "report      out/r.jsonl.report.json",
+    ]
+    stopped = report.model_copy(update={"status": "stopped_early", "request_counts": RequestCounts(total=10)})
+    lines = summary_lines(stopped, "r.report.json", "parquet", {}, 3.0)
+    assert lines[0] == "status      stopped early" and "10 have no result" in lines[1]
+    assert "result      none published: no row has a result" in lines
 
 
 def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_path: Path) -> None:
