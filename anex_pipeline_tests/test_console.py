@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import dagster as dg
 import pytest
 
 from anex_pipeline.console import (
@@ -23,7 +24,7 @@ from anex_pipeline.console import (
     summary_lines,
 )
 from anex_pipeline.spec import JobReport, RequestCounts, Throughput, Usage
-from anex_pipeline_tests.conftest import write_jsonl
+from anex_pipeline_tests.conftest import chat_row, write_jsonl
 from anex_pipeline_tests.test_stop_real import COMMAND, story_rows
 
 
@@ -238,3 +239,80 @@ def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -
     log = Path(re.search(r"go to (\S+\.log)", done.stderr).group(1))  # type: ignore[union-attr]
     assert "EngineCore" in log.read_text()  # the engine's own chatter is there
     assert json.loads(done.stdout)["request_counts"]["completed"] == 120
+
+
+# -- the end of a run, and the figures in Dagster ------------------------------------------------
+
+
+SUMMARY_LABELS = ("status", "rows", "errors", "tokens", "time", "speed", "cost", "result", "error rows", "report")
+
+
+def summary_of(stderr: str) -> list[str]:
+    """The summary that ends the command's output: the lines from its status line on."""
+    lines = stderr.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("status "))
+    return lines[start:]
+
+
+def test_the_run_ends_with_a_summary_and_the_json_report_only_when_piped_or_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from anex_pipeline.cli import main
+
+    monkeypatch.setenv("ANEX_ENGINE", "fake")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    rows = [chat_row(f"r{i}", f"question {i}") for i in range(5)] + [chat_row("long", "word " * 300)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    prices = 'prices={"input_per_1k": 1.0, "output_per_1k": 2.0}'
+    argv = ["run", str(src), "-o", str(out), "--max-tokens", "8", "--set", prices, "--work-dir", str(tmp_path / "w")]
+
+    assert main(argv) == 0  # standard output is not a terminal here: the JSON report is on it
+    piped = capsys.readouterr()
+    report = json.loads(piped.out)
+    assert report["request_counts"] == {"total": 6, "completed": 5, "failed": 1, "format_error_rows": 0}
+    summary = summary_of(piped.err)
+    assert len(summary) <= 12 and [line[:12].strip() for line in summary] == [
+        label for label in SUMMARY_LABELS if label != "error rows" or report["request_counts"]["failed"]
+    ]
+    assert summary[1] == "rows        5 completed, 1 failed, 0 format errors, of 6"
+    assert summary[2] == "errors      1 context_length_exceeded"
+    assert summary[3].startswith(f"tokens      {report['usage']['prompt_tokens']} in (0 cached), ")
+    assert summary[6] == f"cost        {report['cost']:.4f} (at the job's prices)"
+    assert summary[7] == f"result      {out}" and summary[-1] == f"report      {tmp_path / 'out.report.json'}"
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(argv) == 0  # at a terminal: the summary alone
+    terminal = capsys.readouterr()
+    assert terminal.out == "" and summary_of(terminal.err)[0] == "status      completed"
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["job_id"] == report["job_id"]
+
+
+def test_generation_figures_reach_the_materialization_and_the_run_log(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    from anex_pipeline.orchestration.resources import StorageResource
+    from anex_pipeline.runner import JobRunner
+    from anex_pipeline_tests.fakes import fake_engine
+
+    rows = [chat_row(f"r{i}", " ".join(["w"] * (i % 7 + 1))) for i in range(30)] + [chat_row("long", "w " * 300)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine())
+    report = runner.run(runner.submit(str(src), str(tmp_path / "out.jsonl"), {"estimate_sample_size": 20}))
+    record = instance.fetch_materializations(dg.AssetKey("generations"), limit=1).records[0]
+    meta = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+    assert meta["error_counts"] == report.error_counts == {"context_length_exceeded": 1}
+    assert meta["cached_prompt_tokens"] == report.usage.cached_prompt_tokens
+    assert meta["completion_tokens"] == report.usage.completion_tokens
+    assert meta["generation_s"] > 0 and meta["rows_per_s"] > 0 and meta["output_tokens_per_s"] >= 0
+    logged = [e.user_message for e in instance.all_logs(record.run_id)]
+    assert any(m.startswith("30 of 31 rows completed, 1 failed, 0 format errors") for m in logged), logged
+
+    estimate = instance.fetch_materializations(dg.AssetKey("length_estimate"), limit=1).records[0]
+    histogram = estimate.asset_materialization.metadata["output_length_histogram"].value
+    lengths = json.loads(estimate.asset_materialization.metadata["sample_lengths"].value)
+    lines = histogram.splitlines()
+    assert lines[:2] == ["| output tokens | rows | |", "|---|---:|---|"]
+    assert sum(int(line.split("|")[2]) for line in lines[2:] if line.split("|")[2].strip()) == len(lengths) >= 19
+    assert "█" in histogram and "(max_tokens)" in histogram
