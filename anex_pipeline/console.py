@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from anex_pipeline.errors import RowErrorType
+
 if TYPE_CHECKING:
     from anex_pipeline.spec import JobReport
 
@@ -85,12 +87,16 @@ LOADING_TICK_S = 1.0  # how often a terminal's loading line shows the time elaps
 
 @dataclass
 class _Clock:
-    """Where the rate counts from: the moment generation (re)started, and the rows and output
-    tokens done by then."""
+    """Where the rates count from: the moment generation (re)started, with the rows and output
+    tokens done by then, and the first update after it that finished rows. Rows/s counts from that
+    first finish: rows generated together finish only after their answers' length (engines batch
+    them), so counting that wait as if rows were finishing all along would make the time left
+    about twice too long for a job that fits in one batch."""
 
     started: float
     done: int
     tokens: int
+    first_finish: tuple[float, int] | None = None  # when, and the rows done then
 
 
 @dataclass
@@ -128,21 +134,23 @@ class ProgressDisplay:
         done = sum(s.done for s in self._shards.values())
         total = sum(s.total for s in self._shards.values())
         tokens = sum(s.completion_tokens for s in self._shards.values())
-        if self._restarts(now, done, tokens):
-            self._clock = _Clock(now, done, tokens)
+        clock = self._clock
+        if clock is None or self._restarts(clock, now, done, tokens):
+            clock = self._clock = _Clock(now, done, tokens)
             self._last_done = (done, now)
         elif done > self._last_done[0]:
             self._last_done = (done, now)
+        if clock.first_finish is None and done > clock.done:
+            clock.first_finish = (now, done)
         self._waiting_since = None
         if self.tty:
             self._draw_bar(done, total, tokens, now)
         else:
             self._print_line(done, total, tokens, now)
 
-    def _restarts(self, now: float, done: int, tokens: int) -> bool:
-        """Whether the rate counts afresh from now: generation starts, or resumes after a pause."""
-        clock = self._clock
-        if clock is None or done < clock.done or tokens < clock.tokens:  # a step began again
+    def _restarts(self, clock: _Clock, now: float, done: int, tokens: int) -> bool:
+        """Whether the rates count afresh from now: generation resumes after a pause."""
+        if done < clock.done or tokens < clock.tokens:  # a step began again
             return True
         if self._waiting_since is not None and now - self._waiting_since > PAUSE_S:
             return True
@@ -218,15 +226,17 @@ class ProgressDisplay:
         self._loading = None
 
     def _rates(self, done: int, total: int, tokens: int, now: float) -> str:
-        """Rows/s, output tok/s and the time left, from the rows done since the clock started;
-        empty until a row has finished since then (a rate of nothing says nothing)."""
+        """Rows/s, output tok/s and the time left (see :class:`_Clock`); empty until a row has
+        finished since generation started (a rate of nothing says nothing)."""
         clock = self._clock
-        rows = done - clock.done if clock else 0
-        if clock is None or rows <= 0:
+        if clock is None or clock.first_finish is None:
             return ""
-        elapsed = max(now - clock.started, 1e-6)
-        rows_per_s = rows / elapsed
-        text = f"{rows_per_s:.1f} rows/s, {max(tokens - clock.tokens, 0) / elapsed:.1f} output tok/s"
+        tokens_per_s = max(tokens - clock.tokens, 0) / max(now - clock.started, 1e-6)
+        since, first = clock.first_finish
+        if done <= first or now <= since:
+            return f"{tokens_per_s:.1f} output tok/s"
+        rows_per_s = (done - first) / (now - since)
+        text = f"{rows_per_s:.1f} rows/s, {tokens_per_s:.1f} output tok/s"
         if done < total:
             text += f", about {_duration((total - done) / rows_per_s)} left"
         return text
@@ -270,14 +280,16 @@ def summary_lines(
     its files are. ``spent`` is the stage seconds this command added to the job's timings."""
     counts, usage = report.request_counts, report.usage
     missing = counts.total - counts.completed - counts.failed
-    rows = f"{counts.completed} completed, {counts.failed} failed, {counts.format_error_rows} format errors"
-    rows += f", of {counts.total}"
+    cut = report.error_counts.get(RowErrorType.LENGTH, 0)
+    rows = f"{counts.completed} completed{f' ({cut} cut at their token cap)' if cut else ''}, {counts.failed} failed, "
+    rows += f"{counts.format_error_rows} format errors, of {counts.total}"
     lines = [
         ("status", report.status.replace("_", " ")),
         ("rows", rows + (f"; {missing} have no result" if missing else "")),
     ]
-    if report.error_counts:
-        ranked = sorted(report.error_counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    failures = {k: n for k, n in report.error_counts.items() if k not in (RowErrorType.LENGTH, RowErrorType.FORMAT)}
+    if failures:
+        ranked = sorted(failures.items(), key=lambda kv: (-kv[1], kv[0]))
         named = ", ".join(f"{n} {kind}" for kind, n in ranked[:TOP_ERRORS])
         more = len(ranked) - TOP_ERRORS
         lines.append(("errors", named + (f", and {more} more kind{'s' * (more > 1)}" if more > 0 else "")))

@@ -162,8 +162,15 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
         job_id="j",
         status="completed",
         output="out/r.jsonl",
-        request_counts=RequestCounts(total=10, completed=6, failed=4, format_error_rows=1),
-        error_counts={"context_length_exceeded": 2, "media_fetch_error": 1, "server_error": 1, "length": 3},
+        request_counts=RequestCounts(total=10, completed=5, failed=5, format_error_rows=1),
+        error_counts={
+            "context_length_exceeded": 2,
+            "media_fetch_error": 1,
+            "server_error": 1,
+            "engine_error": 1,
+            "length": 3,
+            "format_error": 1,
+        },
         usage=Usage(prompt_tokens=500, completion_tokens=120, cached_prompt_tokens=128),
         throughput=Throughput(rows_per_s=1.25, output_tokens_per_s=25.7),
         cost=0.01234,
@@ -172,14 +179,14 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
     lines = summary_lines(report, "out/r.jsonl.report.json", "jsonl", spent, 98.0)
     assert lines == [
         "status      completed",
-        "rows        6 completed, 4 failed, 1 format errors, of 10",
-        "errors      3 length, 2 context_length_exceeded, 1 media_fetch_error, and 1 more kind",
+        "rows        5 completed (3 cut at their token cap), 5 failed, 1 format errors, of 10",
+        "errors      2 context_length_exceeded, 1 engine_error, 1 media_fetch_error, and 1 more kind",
         "tokens      500 in (128 cached), 120 out",
         "time        1m38s: engine start 1m31s, generation 6.9s",
         "speed       25.7 output tok/s, 1.2 rows/s",
         "cost        0.0123 (at the job's prices)",
         "result      out/r.jsonl",
-        "error rows  the 4 rows of the result whose error is set",
+        "error rows  the 5 rows of the result whose error is set",
         "report      out/r.jsonl.report.json",
     ]
     stopped = report.model_copy(update={"status": "stopped_early", "request_counts": RequestCounts(total=10)})
@@ -218,7 +225,9 @@ def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_p
         assert line in logged
 
 
-OUR_LINE = re.compile(r"^(\[anex\] |result: |error: |job )")
+OUR_LINE = re.compile(
+    r"^(\[anex\] |error: |job |(status|rows|errors|tokens|time|speed|cost|result|error rows|report) +)"
+)
 
 
 @pytest.mark.engine
@@ -231,6 +240,8 @@ def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
+    ready = next(i for i, line in enumerate(lines) if line.startswith("[anex] engine ready in "))
+    assert not [line for line in lines[:ready] if re.search(r"rows/s|tok/s|\d+/\d+ rows", line)], lines[:ready]
     foreign = [line for line in lines if not OUR_LINE.match(line)]
     assert len(foreign) <= 5, "\n".join(foreign)
     counts = [int(m.group(1)) for line in lines if (m := re.match(r"\[anex\] (\d+)/120 rows", line))]
@@ -316,3 +327,101 @@ def test_generation_figures_reach_the_materialization_and_the_run_log(
     assert lines[:2] == ["| output tokens | rows | |", "|---|---:|---|"]
     assert sum(int(line.split("|")[2]) for line in lines[2:] if line.split("|")[2].strip()) == len(lengths) >= 19
     assert "█" in histogram and "(max_tokens)" in histogram
+
+
+BAR = re.compile(
+    r"\[anex\]\s+\d+%\|[^|]*\| (\d+)/(\d+) rows(?:, ([\d.]+) rows/s, ([\d.]+) output tok/s)?(?:, about (\S+) left)?"
+)
+
+
+def seconds_of(text: str) -> float:
+    """A duration as the display prints it: 6.5s, 1m05s, 1h02m."""
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:([\d.]+)s)?", text)
+    assert m is not None and text, text
+    hours, minutes, secs = (float(g) if g else 0.0 for g in m.groups())
+    return 3600 * hours + 60 * minutes + secs
+
+
+class Terminal:
+    """A command on a pseudo-terminal (120 columns), its output read as it comes: each piece of
+    a line (a bar redraws its line after a carriage return) with the time it arrived."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.proc = subprocess.Popen(command, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        self.pieces: list[tuple[float, str]] = []
+        self.text = ""
+        self._master = master
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        pending = ""
+        while True:
+            try:
+                data = os.read(self._master, 65536)
+            except OSError:  # EIO: every holder of the terminal's other end has closed it
+                break
+            if not data:
+                break
+            now = time.monotonic()
+            chunk = data.decode("utf-8", "replace")
+            self.text += chunk
+            *done, pending = re.split(r"[\r\n]", pending + chunk)
+            self.pieces.extend((now, re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", piece)) for piece in done)
+        self.pieces.append((time.monotonic(), pending))
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=30)
+        os.close(self._master)
+        return code
+
+
+@pytest.mark.engine
+def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_path: Path) -> None:
+    """The real command on the real engine under a pseudo-terminal, then piped: no row or rate
+    before the engine is ready, a loading line that counts the seconds, an ETA at half-way within
+    a factor of 2 of the time that was really left, and a summary of at most 12 lines; piped, the
+    JSON report on standard output."""
+    rows = story_rows(40)
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    command = [COMMAND, "run", str(src), "-o", str(tmp_path / "out.jsonl"), "--work-dir", str(tmp_path / "work")]
+    terminal = Terminal(command, env)
+    assert terminal.wait(timeout=600) == 0, terminal.text
+    pieces = [(t, piece) for t, piece in terminal.pieces if piece.strip()]
+    texts = [piece for _, piece in pieces]
+
+    ready = next(i for i, text in enumerate(texts) if text.startswith("[anex] engine ready in "))
+    before = texts[:ready]
+    assert not [text for text in before if re.search(r"rows/s|tok/s|\d+/\d+ rows|\d+%\|", text)], before
+    loading = [
+        text for text in before if re.fullmatch(r"\[anex\] loading \S+ into vLLM \((?:[\d.]+s|\d+m\d+s)\)", text)
+    ]
+    assert len({text for text in loading}) >= 2, before  # the seconds grew while it loaded
+
+    frames = [(t, m) for t, text in pieces[ready:] if (m := BAR.search(text))]
+    assert frames, texts
+    half = next((t, m) for t, m in frames if int(m.group(1)) * 2 >= int(m.group(2)) and m.group(5))
+    finished = next(t for t, m in frames if m.group(1) == m.group(2))
+    eta, really_left = seconds_of(half[1].group(5)), finished - half[0]
+    timeline = [(round(t - pieces[ready][0], 2), m.group(0)[60:]) for t, m in frames]
+    assert really_left / 2 <= eta <= really_left * 2, (eta, really_left, timeline)
+
+    summary = summary_of("\n".join(texts))
+    assert len(summary) <= 12 and summary[0] == "status      completed", summary
+    assert not any(text.lstrip().startswith("{") for text in texts)  # no JSON report at a terminal
+
+    piped = subprocess.run([*command, "--quiet"], env=env, capture_output=True, text=True, timeout=600)
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["request_counts"]["completed"] == len(rows)
+    assert summary_of(piped.stderr)[0] == "status      completed"
