@@ -281,7 +281,7 @@ def summary_lines(
     counts, usage = report.request_counts, report.usage
     missing = counts.total - counts.completed - counts.failed
     cut = report.error_counts.get(RowErrorType.LENGTH, 0)
-    rows = f"{counts.completed} completed{f' ({cut} cut at their token cap)' if cut else ''}, {counts.failed} failed, "
+    rows = f"{counts.completed} completed{f' ({cut} reached the token cap)' if cut else ''}, {counts.failed} failed, "
     rows += f"{counts.format_error_rows} format errors, of {counts.total}"
     lines = [
         ("status", report.status.replace("_", " ")),

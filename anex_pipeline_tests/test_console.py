@@ -179,7 +179,7 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
     lines = summary_lines(report, "out/r.jsonl.report.json", "jsonl", spent, 98.0)
     assert lines == [
         "status      completed",
-        "rows        5 completed (3 cut at their token cap), 5 failed, 1 format errors, of 10",
+        "rows        5 completed (3 reached the token cap), 5 failed, 1 format errors, of 10",
         "errors      2 context_length_exceeded, 1 engine_error, 1 media_fetch_error, and 1 more kind",
         "tokens      500 in (128 cached), 120 out",
         "time        1m38s: engine start 1m31s, generation 6.9s",
@@ -344,7 +344,8 @@ def seconds_of(text: str) -> float:
 
 class Terminal:
     """A command on a pseudo-terminal (120 columns), its output read as it comes: each piece of
-    a line (a bar redraws its line after a carriage return) with the time it arrived."""
+    a line (a bar redraws its line after a carriage return) with the time its first character
+    arrived."""
 
     def __init__(self, command: list[str], env: dict[str, str]):
         import fcntl
@@ -364,7 +365,7 @@ class Terminal:
         self._reader.start()
 
     def _read(self) -> None:
-        pending = ""
+        pending, began = "", 0.0  # the piece not ended yet, and when it began
         while True:
             try:
                 data = os.read(self._master, 65536)
@@ -375,9 +376,16 @@ class Terminal:
             now = time.monotonic()
             chunk = data.decode("utf-8", "replace")
             self.text += chunk
-            *done, pending = re.split(r"[\r\n]", pending + chunk)
-            self.pieces.extend((now, re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", piece)) for piece in done)
-        self.pieces.append((time.monotonic(), pending))
+            first, *more = re.split(r"[\r\n]", chunk)
+            began = began if pending else now
+            pending += first
+            for piece in more:
+                self._add(began, pending)
+                pending, began = piece, now
+        self._add(began, pending)
+
+    def _add(self, began: float, piece: str) -> None:
+        self.pieces.append((began, re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", piece)))
 
     def wait(self, timeout: float) -> int:
         code = self.proc.wait(timeout=timeout)
