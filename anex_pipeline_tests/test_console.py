@@ -422,7 +422,7 @@ def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_p
     half = next((t, m) for t, m in frames if int(m.group(1)) * 2 >= int(m.group(2)) and m.group(5))
     finished = next(t for t, m in frames if m.group(1) == m.group(2))
     eta, really_left = seconds_of(half[1].group(5)), finished - half[0]
-    timeline = [(round(t - pieces[ready][0], 2), m.group(0)[60:]) for t, m in frames]
+    timeline = [(round(t - frames[0][0], 2), int(m.group(1)), m.group(5)) for t, m in frames]
     assert really_left / 2 <= eta <= really_left * 2, (eta, really_left, timeline)
 
     summary = summary_of("\n".join(texts))
