@@ -317,6 +317,11 @@ def test_generation_figures_reach_the_materialization_and_the_run_log(
     assert meta["cached_prompt_tokens"] == report.usage.cached_prompt_tokens
     assert meta["completion_tokens"] == report.usage.completion_tokens
     assert meta["generation_s"] > 0 and meta["rows_per_s"] > 0 and meta["output_tokens_per_s"] >= 0
+    merged = instance.fetch_materializations(dg.AssetKey("merged_result"), limit=1).records[0]
+    job_meta = {k: v.value for k, v in merged.asset_materialization.metadata.items()}
+    assert job_meta["error_counts"] == report.error_counts
+    assert job_meta["output_tokens_per_s"] == report.throughput.output_tokens_per_s
+    assert job_meta["cached_prompt_tokens"] == report.usage.cached_prompt_tokens
     logged = [e.user_message for e in instance.all_logs(record.run_id)]
     assert any(m.startswith("30 of 31 rows completed, 1 failed, 0 format errors") for m in logged), logged
 
