@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace, raw: dict[str, Any]) -> int:
+    from anex_pipeline.workdir.timing import read_timings
+
     runner = _runner(args)
 
     def run() -> Any:
@@ -176,9 +179,9 @@ def _run_job(args: argparse.Namespace, raw: dict[str, Any]) -> int:
             len(manifest.shards),
             manifest.model_name,
         )
-        return runner.run(job)
+        return _Ran(job, read_timings(job), runner.run(job))
 
-    return _report_of(runner, run)
+    return _report_of(runner, run, args.json)
 
 
 def _metrics_server(port: int | None) -> Any:
@@ -196,6 +199,8 @@ def _metrics_server(port: int | None) -> Any:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
+    from anex_pipeline.workdir.timing import read_timings
+
     runner = _runner(args)
 
     def backfill() -> Any:
@@ -216,9 +221,19 @@ def cmd_backfill(args: argparse.Namespace) -> int:
         else:
             shards = runner.unfinished_shards(job)
         logging.getLogger("anex_pipeline.progress").info("rerunning shards %s", shards or "none (all finished)")
-        return runner.run(job, shards=shards)
+        return _Ran(job, read_timings(job), runner.run(job, shards=shards))
 
-    return _report_of(runner, backfill)
+    return _report_of(runner, backfill, args.json)
+
+
+@dataclass
+class _Ran:
+    """What a run or backfill leaves for its last lines: the job, its stage timings before this
+    command ran it, and its report."""
+
+    job: Any
+    timings_before: dict[str, float]
+    report: Any
 
 
 class _WithoutStorageNoise:
@@ -238,8 +253,9 @@ class _WithoutStorageNoise:
         return getattr(self._stream, name)
 
 
-def _report_of(runner: Any, work: Callable[[], Any]) -> int:
-    """Runs a job action, always releasing the engine; prints the report and picks the exit code."""
+def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
+    """Runs a job action, always releasing the engine; prints the summary (and the JSON report
+    when asked or when standard output is not a terminal) and picks the exit code."""
     import sqlite3
 
     from sqlalchemy.exc import DBAPIError
@@ -249,9 +265,10 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     resume = (
         "the rows finished so far are kept: make room (or fix the location) and run the same command again to resume"
     )
+    started = time.monotonic()
     try:
         with contextlib.redirect_stderr(_WithoutStorageNoise(sys.stderr)):
-            report = work()
+            ran = work()
     except AnexError as exc:  # a failed step: printed before the progress display closes
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
@@ -266,18 +283,25 @@ def _report_of(runner: Any, work: Callable[[], Any]) -> int:
     finally:
         close_progress()
         runner.close()
-    return _finish(report)
+    return _finish(ran, time.monotonic() - started, as_json or not sys.stdout.isatty())
 
 
-def _finish(report: Any) -> int:
-    print(report.model_dump_json(indent=2))
+def _finish(ran: _Ran, wall_s: float, as_json: bool) -> int:
+    from anex_pipeline.console import summary_lines
+    from anex_pipeline.workdir.timing import read_timings
+
+    report, manifest = ran.report, ran.job.manifest()
+    if as_json:
+        print(report.model_dump_json(indent=2))
+    spent = {stage: s - ran.timings_before.get(stage, 0.0) for stage, s in read_timings(ran.job).items()}
+    for line in summary_lines(report, manifest.report, manifest.format, spent, wall_s):
+        print(line, file=sys.stderr)
     counts = report.request_counts
     if report.status == "completed" and counts.total and not counts.completed:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(report.error_counts.items(), key=lambda kv: -kv[1]))
         print(f"job failed: no row succeeded ({kinds}); each row's error is in {report.output}", file=sys.stderr)
         return ExitCode.STOPPED
     if report.status == "completed":
-        print(f"result: {report.output}", file=sys.stderr)
         return ExitCode.OK
     print(f"error: job {report.status}: {report.failure_reason}", file=sys.stderr)
     return ExitCode.STOPPED

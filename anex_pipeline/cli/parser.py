@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
 
-    run = sub.add_parser("run", help="run a job end to end and print its report")
+    run = sub.add_parser("run", help="run a job end to end and print a summary of its report")
     run.add_argument("input", help="JSONL (OpenAI batch format) or Parquet file")
     run.add_argument("-o", "--output", required=True, help="result file, same format as the input")
     run.add_argument("--report", default=None, help="report path; default <output>.report.json")
@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="serve Prometheus metrics of the job on http://127.0.0.1:PORT/metrics while it runs",
     )
+    _json_flag(run)
     _add_option_flags(run)
     _engine_flags(run)
 
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     chosen.add_argument("--failed", action="store_true", help="every shard with failed or missing rows (default)")
     back.add_argument("--quiet", action="store_true", help="no progress lines")
     back.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
+    _json_flag(back)
     _engine_flags(back)
 
     rep = sub.add_parser("report", help="print the report of a finished job")
@@ -300,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     ms = sub.add_parser("machine-server", help="show or stop the model server this machine's Dagster steps share")
     ms.add_argument("action", choices=["status", "stop"], help="status: print it; stop: stop it now")
     return parser
+
+
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON report on standard output even at a terminal (it is printed whenever "
+        "standard output is not one); the summary goes to standard error either way",
+    )
 
 
 def _work_dir_flag(p: argparse.ArgumentParser) -> None:

@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from anex_pipeline import metrics
+from anex_pipeline.console import PROGRESS_FIELD, EngineLoad
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.engine_args import canonical, vllm_version
@@ -83,7 +84,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
 
         guard_descendants()  # vLLM's processes must not outlive this one, however it ends
         started = time.monotonic()
-        progress.info("loading %s into vLLM", settings.model_name)
+        progress.info("loading %s into vLLM", settings.model_name, extra=_load_state(settings, "loading"))
         try:
             with metrics.engine_load() as ready:
                 engine = VllmLocalEngine(settings)
@@ -91,15 +92,21 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         except Exception as exc:
             from anex_pipeline.stopping import JobStopped
 
+            progress.info("loading %s ended without an engine", settings.model_name, extra=_load_state(settings))
             if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
                 raise
             reason = f"the engine could not load {settings.model_name}: {one_line(exc)[:600]}"
             _failed[settings] = (time.monotonic(), reason)
             raise EngineLoadFailed(reason) from exc
         _failed.pop(settings, None)
-        progress.info("engine ready in %.1f s", time.monotonic() - started)
+        progress.info("engine ready in %.1f s", time.monotonic() - started, extra=_load_state(settings, "ready"))
         _loaded[settings] = engine
         return engine
+
+
+def _load_state(settings: EngineSettings, state: Literal["loading", "ready", "failed"] = "failed") -> dict[str, Any]:
+    """The ``extra`` of a loading line, so the terminal's display knows the engine's state."""
+    return {PROGRESS_FIELD: EngineLoad(settings.model_name, state)}
 
 
 def release_engines() -> None:

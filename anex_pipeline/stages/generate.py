@@ -19,6 +19,7 @@ from anex_pipeline.spec import EstimateReport, RowOutcome
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.stages.merge import RowTally
 from anex_pipeline.stopping import StopCheck, load_interruptibly
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 
@@ -65,14 +66,17 @@ class ShardSummary:
     generated: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
     seconds: float = 0.0  # the whole step, the engine's loading included
     engine_wait_s: float = 0.0  # waiting for the engine to load (it may have started loading earlier)
     served_by: Counter[str] = field(default_factory=Counter)  # model server -> rows it answered (HTTP engine)
+    error_counts: Counter[str] = field(default_factory=Counter)  # as the report's: error type or flag -> rows
 
     def as_metadata(self) -> dict[str, float | int | dict[str, int]]:
         figures: dict[str, float | int | dict[str, int]] = {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shard", "served_by")
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("shard", "served_by", "error_counts")
         }
+        figures["error_counts"] = dict(self.error_counts.most_common())
         if self.served_by:
             figures["served_by"] = dict(self.served_by)
         return figures
@@ -221,11 +225,11 @@ class _Feed:
 
 
 def _count(summary: ShardSummary, outcomes: Iterable[StoredOutcome]) -> None:
+    """The shard's figures, counted as the job's report counts them."""
+    tally = RowTally()
     for o in outcomes:
-        if o.failed:
-            summary.failed += 1
-        else:
-            summary.completed += 1
-            summary.format_errors += int(o.format_error)
-        summary.prompt_tokens += o.usage.prompt_tokens
-        summary.completion_tokens += o.usage.completion_tokens
+        tally.add(o)
+    summary.completed, summary.failed, summary.format_errors = tally.completed, tally.failed, tally.format_error_rows
+    summary.prompt_tokens, summary.completion_tokens = tally.prompt_tokens, tally.completion_tokens
+    summary.cached_prompt_tokens = tally.cached_prompt_tokens
+    summary.error_counts = tally.errors

@@ -28,7 +28,7 @@ from anex_pipeline.workdir.timing import read_engine, read_served, read_timings,
 PARALLEL_MERGE_ROWS = 100_000  # a JSONL job this big is merged by one process per core
 
 
-class _Tally:
+class RowTally:
     """Counts rows and tokens as the merge streams past them (plain attributes: this is a hot loop)."""
 
     def __init__(self) -> None:
@@ -73,7 +73,7 @@ class _Tally:
         self.cached_prompt_tokens += _int(pc.sum(table.column("cached_prompt_tokens")))
         return table
 
-    def absorb(self, other: _Tally) -> None:
+    def absorb(self, other: RowTally) -> None:
         """Adds the counts of another part of the same job."""
         for name, value in vars(other).items():
             if isinstance(value, Counter):
@@ -119,7 +119,7 @@ def _value_counts(values: pa.ChunkedArray) -> dict[Any, int]:
     return dict(zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True))
 
 
-def _write_jsonl(job: JobDir, manifest: JobManifest, path: Path, tally: _Tally) -> None:
+def _write_jsonl(job: JobDir, manifest: JobManifest, path: Path, tally: RowTally) -> None:
     """Writes a JSONL job's result: a big job's shards by one process per core, each into a part
     file that is then appended to the result in shard order; a small one's in this process."""
     shards = range(len(manifest.shards))
@@ -155,15 +155,15 @@ def _copy(source: BinaryIO, target: BinaryIO) -> None:
         shutil.copyfileobj(source, target, 1 << 20)
 
 
-def _write_part(job: JobDir, shard: int, path: Path, append: bool = False) -> _Tally:
+def _write_part(job: JobDir, shard: int, path: Path, append: bool = False) -> RowTally:
     """Writes the result lines of one shard's finished rows, in input order; returns their tally."""
-    tally = _Tally()
+    tally = RowTally()
     add = tally.add
     jsonl.write_results(path, (add(outcome) for outcome in job.outcomes(shard)), append=append)
     return tally
 
 
-def _answer_tables(job: JobDir, manifest: JobManifest, tally: _Tally) -> Iterator[pa.Table]:
+def _answer_tables(job: JobDir, manifest: JobManifest, tally: RowTally) -> Iterator[pa.Table]:
     """A Parquet job's checkpoint tables in input order, counted on the way."""
     for shard in range(len(manifest.shards)):
         for table in job.answers(shard):
@@ -181,7 +181,7 @@ def merge_job(job: JobDir) -> JobReport:
     manifest = job.manifest()
     final = result_path(job)
     partial = final.with_name(f".{final.name}.partial")
-    tally = _Tally()
+    tally = RowTally()
     try:
         module = FORMATS[manifest.format]
         if module.MERGES_COLUMNS:
@@ -205,7 +205,7 @@ def nothing_delivered(counts: RequestCounts) -> bool:
     return counts.total > 0 and counts.completed + counts.failed == 0
 
 
-def build_report(job: JobDir, manifest: JobManifest, tally: _Tally) -> JobReport:
+def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobReport:
     counts = tally.counts
     counts.total = manifest.total_rows
     usage = tally.usage
