@@ -31,7 +31,7 @@ from anex_pipeline.orchestration.partitions import (
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.estimate import estimate_lengths
+from anex_pipeline.stages.estimate import estimate_lengths, length_histogram
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.ledger import account_rows
 from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
@@ -201,31 +201,6 @@ def length_estimate(
         lengths = json.loads(str(stats["sample_lengths"]))
         metadata["output_length_histogram"] = dg.MetadataValue.md(length_histogram(lengths, report.max_tokens))
     return dg.MaterializeResult(metadata=metadata)
-
-
-HISTOGRAM_BINS = 12
-HISTOGRAM_WIDTH = 30  # characters of the longest bar
-
-
-def length_histogram(lengths: list[int], cap: int | None) -> str:
-    """The sample's output lengths as a Markdown table with a bar per bin, for the asset's page;
-    the bin that holds the cap chosen from them is marked."""
-    low, high = min(lengths), max(lengths)
-    width = max(1, -(-(high - low + 1) // HISTOGRAM_BINS))  # ceiling: every length in some bin
-    counts: dict[int, int] = {}
-    for n in lengths:
-        counts[(n - low) // width] = counts.get((n - low) // width, 0) + 1
-    most = max(counts.values())
-    rows = ["| output tokens | rows | |", "|---|---:|---|"]
-    for b in range((high - low) // width + 1):
-        start = low + b * width
-        span = f"{start}" if width == 1 else f"{start}-{start + width - 1}"
-        mark = " (max_tokens)" if cap is not None and start <= cap < start + width else ""
-        bar = "█" * round(HISTOGRAM_WIDTH * counts.get(b, 0) / most)
-        rows.append(f"| {span}{mark} | {counts.get(b, 0)} | {bar} |")
-    if cap is not None and cap > high:
-        rows.append(f"| max_tokens: {cap} | | |")
-    return "\n".join(rows)
 
 
 @dg.asset(
