@@ -62,7 +62,7 @@ INTEGER_RANGES = {
     "dimensions": (1, INT32_MAX),
 }
 LOGIT_BIAS_LIMIT = 100.0
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
+MAX_PROMPTS = 2048  # OpenAI's limit of inputs in one embeddings request; completions prompts too
 MAX_INPUT_TOKEN_IDS = 8192  # OpenAI's limit of tokens in one embedding input, here for token-id inputs
 ENCODING_FORMATS = ("float", "base64")
 # Number fields of a request body and of the job options (integers as above, biases, the rest floats).
@@ -155,7 +155,7 @@ def check_body(
     elif endpoint == "responses":
         problems += _check_responses_request(body)
     elif endpoint == "completions":
-        problems += check_prompt_shape(body.get("prompt"), "body.prompt", 1, "complete")
+        problems += check_prompt_shape(body.get("prompt"), "body.prompt", MAX_PROMPTS, "complete")
     else:
         problems += _check_embedding_request(body, model_names, shortening)
     if "response_format" in body and endpoint != "embeddings":
@@ -407,7 +407,7 @@ def _check_embedding_request(
     body: dict[str, Any], model_names: frozenset[str], shortening: tuple[bool, list[int] | None] | None
 ) -> list[FieldProblem]:
     """An embeddings row's input, encoding_format, and dimensions against what its model can do."""
-    problems = check_prompt_shape(body.get("input"), "body.input", MAX_EMBEDDING_INPUTS, "embed")
+    problems = check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "embed")
     fmt = body.get("encoding_format")
     if isinstance(fmt, str) and fmt not in ENCODING_FORMATS:
         message = f"must be one of {', '.join(ENCODING_FORMATS)}; got {json.dumps(fmt)}"
@@ -441,8 +441,7 @@ def check_prompt_shape(value: Any, where: str, most: int, task: str) -> list[Fie
     if all(type(v) is int for v in value):
         return _check_token_ids(value, where)
     if len(value) > most:
-        each = "put each prompt in a row of its own" if most == 1 else f"at most {most} go in one row; split it"
-        return [FieldProblem(where, f"holds {len(value)} prompts; {each}")]
+        return [FieldProblem(where, f"holds {len(value)} prompts; at most {most} go in one row, split it")]
     kind = type(value[0])
     for n, item in enumerate(value):
         at = f"{where}[{n}]"

@@ -277,11 +277,11 @@ CASES = [
         says=("all-MiniLM-L6-v2", "not a Matryoshka model"),
     ),
     case(
-        "completions-several-prompts",
-        jsonl_bytes(completion("r1", prompt=["one"]), completion("r2", prompt=SEVERAL)),
+        "completions-over-the-prompt-limit",
+        jsonl_bytes(completion("r1", prompt=SEVERAL), completion("r2", prompt=["go on"] * 2049)),
         line=2,
         field="body.prompt",
-        says=("2 prompts", "a row of its own"),
+        says=("2049 prompts", "at most 2048"),
     ),
     case(
         "other-model",
