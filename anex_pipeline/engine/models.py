@@ -297,7 +297,10 @@ def matryoshka_dimensions(reference: str) -> tuple[bool, list[int] | None] | Non
     ``config.json`` as vLLM reads it (``matryoshka_dimensions`` or ``is_matryoshka``), with the
     lengths it allows (None: any up to its full length); None when the config is not on this
     machine (a model only a server has), so that the server decides."""
-    path = Path(local_model_path(reference) if reference != DEFAULT_CHAT_MODEL else reference).expanduser()
+    try:
+        path = embedding_model_dir() if reference == DEFAULT_EMBEDDING_MODEL else Path(reference).expanduser()
+    except (ModuleNotFoundError, FileNotFoundError):  # the bundled model is missing: its check says so
+        return None
     config = path / "config.json"
     if not path.is_dir():
         from huggingface_hub import try_to_load_from_cache
