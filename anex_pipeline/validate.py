@@ -62,6 +62,9 @@ INTEGER_RANGES = {
     "dimensions": (1, INT32_MAX),
 }
 LOGIT_BIAS_LIMIT = 100.0
+MAX_PROMPTS = 2048  # OpenAI's limit of inputs in one embeddings request; completions prompts too
+MAX_INPUT_TOKEN_IDS = 8192  # OpenAI's limit of tokens in one embedding input, here for token-id inputs
+ENCODING_FORMATS = ("float", "base64")
 # Number fields of a request body and of the job options (integers as above, biases, the rest floats).
 NUMBER_FIELDS = frozenset(
     {
@@ -121,8 +124,15 @@ def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
     return []
 
 
-def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> list[FieldProblem]:
-    """Checks a request body for what the pipeline needs before anything runs."""
+def check_body(
+    body: Any,
+    endpoint: Endpoint,
+    model_names: frozenset[str],
+    shortening: tuple[bool, list[int] | None] | None = None,
+) -> list[FieldProblem]:
+    """Checks a request body for what the pipeline needs before anything runs. ``shortening``:
+    for an embeddings job, whether its model can shorten vectors and to which lengths (see
+    :func:`anex_pipeline.engine.models.matryoshka_dimensions`); None when that is not known here."""
     if not isinstance(body, dict):
         return [wrong_kind("body", body, f"must be an object with the request, got {_kind(body)}")]
     problems: list[FieldProblem] = []
@@ -145,13 +155,9 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     elif endpoint == "responses":
         problems += _check_responses_request(body)
     elif endpoint == "completions":
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            problems.append(
-                wrong_kind("body.prompt", prompt, f"a completions row needs a string prompt, got {_kind(prompt)}")
-            )
+        problems += check_prompt_shape(body.get("prompt"), "body.prompt", MAX_PROMPTS, "complete")
     else:
-        problems += _check_embedding_input(body.get("input"))
+        problems += _check_embedding_request(body, model_names, shortening)
     if "response_format" in body and endpoint != "embeddings":
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
@@ -397,14 +403,67 @@ def _check_text_format(fmt: Any) -> list[FieldProblem]:
     return []
 
 
-def _check_embedding_input(value: Any) -> list[FieldProblem]:
+def _check_embedding_request(
+    body: dict[str, Any], model_names: frozenset[str], shortening: tuple[bool, list[int] | None] | None
+) -> list[FieldProblem]:
+    """An embeddings row's input, encoding_format, and dimensions against what its model can do."""
+    problems = check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "embed")
+    fmt = body.get("encoding_format")
+    if isinstance(fmt, str) and fmt not in ENCODING_FORMATS:
+        message = f"must be one of {', '.join(ENCODING_FORMATS)}; got {json.dumps(fmt)}"
+        problems.append(FieldProblem("body.encoding_format", message))
+    dims = body.get("dimensions")
+    if type(dims) is not int or shortening is None:
+        return problems
+    matryoshka, allowed = shortening
+    model = sorted(model_names)[0]
+    if not matryoshka:
+        message = (
+            f"model '{model}' cannot shorten its vectors (it is not a Matryoshka model: its config.json "
+            "has no matryoshka_dimensions or is_matryoshka); remove dimensions or run the job on a model that can"
+        )
+        problems.append(FieldProblem("body.dimensions", message))
+    elif allowed and dims not in allowed:
+        message = f"is {dims}, but model '{model}' makes vectors of {', '.join(map(str, allowed))} dimensions only"
+        problems.append(FieldProblem("body.dimensions", message))
+    return problems
+
+
+def check_prompt_shape(value: Any, where: str, most: int, task: str) -> list[FieldProblem]:
+    """A prompt or embedding input in one of OpenAI's four shapes: a string, a list of strings,
+    a list of token ids, or a list of token-id lists; at most ``most`` prompts, none empty, and
+    each token-id prompt within OpenAI's token limit. ``task``: what is done with it ("embed")."""
     if isinstance(value, str):
-        return [] if value else [FieldProblem("body.input", "is an empty string; there is nothing to embed")]
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return []
-    if isinstance(value, list):
-        return [FieldProblem("body.input", f"holds {len(value)} items; put one text per row (one row per custom_id)")]
-    return [wrong_kind("body.input", value, f"an embeddings row needs a string input, got {_kind(value)}")]
+        return [] if value else [FieldProblem(where, f"is an empty string; there is nothing to {task}")]
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if not isinstance(value, list) or not value:
+        return [wrong_kind(where, value, f"must be {shapes}, got {_kind(value)}")]
+    if all(type(v) is int for v in value):
+        return _check_token_ids(value, where)
+    if len(value) > most:
+        return [FieldProblem(where, f"holds {len(value)} prompts; at most {most} go in one row, split it")]
+    kind = type(value[0])
+    for n, item in enumerate(value):
+        at = f"{where}[{n}]"
+        if type(item) is not kind:
+            return [FieldProblem(at, f"is {_kind(item)} but {where}[0] is {_kind(value[0])}; use one shape")]
+        if isinstance(item, str) and not item:
+            return [FieldProblem(at, f"is an empty string; there is nothing to {task}")]
+        if isinstance(item, list) and item and all(type(t) is int for t in item):
+            if found := _check_token_ids(item, at):
+                return found
+        elif not isinstance(item, str):
+            return [wrong_kind(at, item, f"must be a string or a non-empty list of token ids, got {_kind(item)}")]
+    return []
+
+
+def _check_token_ids(ids: list[int], where: str) -> list[FieldProblem]:
+    if len(ids) > MAX_INPUT_TOKEN_IDS:
+        return [FieldProblem(where, f"holds {len(ids)} token ids; at most {MAX_INPUT_TOKEN_IDS} go in one prompt")]
+    bad = next((n for n, t in enumerate(ids) if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        return [FieldProblem(f"{where}[{bad}]", f"is {ids[bad]}, which is not a token id (0 to {INT32_MAX})")]
+    return []
 
 
 def pydantic_code(error_type: str) -> str:

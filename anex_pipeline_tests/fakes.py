@@ -15,7 +15,7 @@ from typing import Any
 
 from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, rejected
-from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
+from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.request_fields import PROMPT_FIELDS
@@ -36,13 +36,17 @@ class FakeEngine:
     def _one(self, req: EngineRequest) -> RowOutcome:
         self.seen.append(req.key)
         if req.endpoint == "embeddings":
-            text = req.body["input"]
-            vec = [float(len(text)), float(sum(map(ord, text)) % 97), 1.0]
-            body = embedding_response(self.model_name, unit_vector(vec), len(text.split()))
-            return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": len(text.split())})
+            given = req.body["input"]
+            inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
+            texts = [t if isinstance(t, str) else " ".join(map(str, t)) for t in inputs]
+            vectors = [unit_vector([float(len(t)), float(sum(map(ord, t)) % 97), 1.0]) for t in texts]
+            tokens = sum(len(t.split()) for t in texts)
+            body = embedding_response(self.model_name, vectors, tokens, req.body.get("encoding_format"))
+            return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
         if req.endpoint == "chat" and (urls := [r.url for r in media_references(req.body) if r.remote]):
             return rejected(req, f"the engine was handed a media URL instead of data: {urls[0]}", "messages")
-        prompt = req.body["prompt"] if req.endpoint == "completions" else json.dumps(req.body["messages"])
+        prompt = one_prompt(req.body["prompt"]) if req.endpoint == "completions" else json.dumps(req.body["messages"])
+        prompt = " ".join(map(str, prompt)) if isinstance(prompt, list) else prompt
         words = prompt.split()
         if len(words) > self.context_words:
             problem = f"prompt of {len(words)} tokens exceeds the context"

@@ -6,6 +6,7 @@ model through real vLLM and compares it with the same input run directly through
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -13,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -28,7 +30,7 @@ import openai
 import pytest
 import uvicorn
 from openai import OpenAI
-from openai.types import Batch
+from openai.types import Batch, CreateEmbeddingResponse
 
 from anex_pipeline import cli
 from anex_pipeline.batch_api.app import create_app
@@ -835,3 +837,26 @@ def test_a_delivery_cut_short_by_a_dead_service_leaves_no_stray_file(tmp_path: P
         assert listed == [done.output_file_id] and earlier.id not in listed
         with pytest.raises(openai.NotFoundError):
             alice.files.retrieve(earlier.id)
+
+
+def test_embedding_lists_and_base64_through_the_sdk(tmp_path: Path, fake_runner: JobRunner) -> None:
+    url_of = "/v1/embeddings"
+    requests = [
+        {"custom_id": "list", "body": {"input": ["one", "two words", "three more words"]}},
+        {"custom_id": "b64", "body": {"input": ["one", "two words"], "encoding_format": "base64"}},
+    ]
+    with serving(fake_runner) as url:
+        sdk = client(url)
+        batch = wait(sdk, sdk.post("/batches", body={"endpoint": url_of, "requests": requests}, cast_to=Batch).id)
+        output = content(sdk, batch.output_file_id)
+        refused_rows = [{"custom_id": "short", "body": {"input": "x", "dimensions": 64}}]
+        refused = wait(sdk, sdk.post("/batches", body={"endpoint": url_of, "requests": refused_rows}, cast_to=Batch).id)
+    assert batch.status == "completed" and batch.usage is not None
+    listed = CreateEmbeddingResponse.model_validate(output[0]["response"]["body"])
+    assert [d.index for d in listed.data] == [0, 1, 2] and listed.usage.prompt_tokens == 6
+    encoded = [d["embedding"] for d in output[1]["response"]["body"]["data"]]
+    floats = [struct.unpack(f"<{len(base64.b64decode(e)) // 4}f", base64.b64decode(e)) for e in encoded]
+    assert [list(f) for f in floats] == [pytest.approx(d.embedding, abs=1e-6) for d in listed.data[:2]]
+    assert refused.status == "failed" and refused.errors is not None and refused.errors.data is not None
+    [error] = refused.errors.data
+    assert (error.line, error.param) == (1, "body.dimensions") and "Matryoshka" in (error.message or "")

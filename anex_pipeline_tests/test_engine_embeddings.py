@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from openai.types import CreateEmbeddingResponse
 
+from anex_pipeline.engine.models import embedding_model_dir
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobRejected
 from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -55,3 +59,87 @@ def test_parquet_embeddings_get_a_float32_column_and_no_output(tmp_path: Path, r
     assert table.schema.field("embedding").type == pa.list_(pa.float32())
     assert table.column("error_type").to_pylist() == [None] * 4
     assert report.request_counts.completed == 4
+
+
+def unit_length(vec: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in vec))
+
+
+def bodies_of(line: dict) -> CreateEmbeddingResponse:
+    return CreateEmbeddingResponse.model_validate(line["response"]["body"])
+
+
+def from_base64(text: str) -> list[float]:
+    raw = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
+def test_every_input_shape_gives_one_indexed_vector_per_input(tmp_path: Path, real_runner: JobRunner) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedding_model_dir())
+    texts = list(TEXTS.values())[:3]
+    ids = [tokenizer.encode(t) for t in texts]
+    bodies = {
+        "one": {"input": texts[0]},
+        "list": {"input": texts},
+        "token-ids": {"input": ids[1]},
+        "token-id-lists": {"input": ids},
+        "base64": {"input": texts, "encoding_format": "base64"},
+    }
+    rows = [{"custom_id": k, "url": "/v1/embeddings", "body": b} for k, b in bodies.items()]
+    report = run_job(real_runner, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl")
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    # The SDK's type holds floats: it decodes a base64 answer itself before building one.
+    got = {line["custom_id"]: bodies_of(line) for line in lines if line["custom_id"] != "base64"}
+
+    listed = got["list"]
+    assert [d.index for d in listed.data] == [0, 1, 2]
+    assert all(abs(unit_length(d.embedding) - 1.0) < 1e-5 for d in listed.data)
+    assert listed.usage.prompt_tokens == sum(map(len, ids))  # every input's tokens, summed
+    assert cosine(listed.data[0].embedding, got["one"].data[0].embedding) > 0.9999
+    assert cosine(listed.data[1].embedding, got["token-ids"].data[0].embedding) > 0.9999  # the same tokens
+    assert got["token-ids"].usage.prompt_tokens == len(ids[1])
+    for mine, theirs in zip(got["token-id-lists"].data, listed.data, strict=True):
+        assert cosine(mine.embedding, theirs.embedding) > 0.9999
+    raw = lines[4]["response"]["body"]["data"]
+    assert all(isinstance(d["embedding"], str) for d in raw)  # base64 text, not floats
+    for encoded, floats in zip(raw, listed.data, strict=True):
+        assert from_base64(encoded["embedding"]) == pytest.approx(floats.embedding, abs=1e-6)
+    assert report.request_counts.completed == 5
+    assert report.usage.prompt_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in lines)
+
+
+@pytest.fixture(scope="session")
+def matryoshka_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from anex_pipeline_tests.tiny_models import build_matryoshka_embedding_model
+
+    return build_matryoshka_embedding_model(tmp_path_factory.mktemp("models") / "minilm-matryoshka")
+
+
+def test_dimensions_shorten_the_vector_on_a_matryoshka_model(
+    tmp_path: Path, real_runner: JobRunner, matryoshka_model: Path
+) -> None:
+    text = TEXTS["guitar-1"]
+    rows = [
+        {"custom_id": "full", "url": "/v1/embeddings", "body": {"input": text}},
+        {"custom_id": "short", "url": "/v1/embeddings", "body": {"input": [text, TEXTS["stocks"]], "dimensions": 128}},
+    ]
+    options = {"model": str(matryoshka_model)}
+    run_job(real_runner, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", options)
+    full, short = (
+        CreateEmbeddingResponse.model_validate(line["response"]["body"]) for line in read_jsonl(tmp_path / "out.jsonl")
+    )
+
+    head = full.data[0].embedding[:128]
+    for item in short.data:
+        assert len(item.embedding) == 128, "a full-length vector came back for dimensions: 128"
+        assert abs(unit_length(item.embedding) - 1.0) < 1e-5
+    # Matryoshka shortening: the first 128 values of the full vector, made unit length again.
+    assert short.data[0].embedding == pytest.approx([x / unit_length(head) for x in head], abs=1e-5)
+
+    rows[1]["body"]["dimensions"] = 100  # not one of the model's lengths: refused before it runs
+    with pytest.raises(JobRejected) as refused:
+        real_runner.submit(str(write_jsonl(tmp_path / "in2.jsonl", rows)), str(tmp_path / "out2.jsonl"), options)
+    [problem] = refused.value.problems
+    assert (problem.line, problem.field) == (2, "body.dimensions") and "128, 256, 384" in problem.message

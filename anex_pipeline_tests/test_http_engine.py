@@ -7,7 +7,9 @@ The fast tests talk to a small fake server on loopback whose answer depends on t
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import time
 from collections import Counter
@@ -219,6 +221,20 @@ def test_completions_validate_and_embeddings_come_back_unit_length(server: FakeS
     assert vector.usage == {"prompt_tokens": 5}
     sent = server.received["rid1"][1]
     assert sent["encoding_format"] == "float" and "temperature" not in sent
+
+
+def test_a_base64_embedding_is_encoded_here_from_the_unit_vector_and_dimensions_reach_the_server(
+    server: FakeServer,
+) -> None:
+    row = request(0, "a sentence", "embeddings")
+    row.body.update(encoding_format="base64", dimensions=2)
+    [outcome] = engine_on(server).run([row])
+
+    sent = server.received["rid0"][1]
+    assert sent["encoding_format"] == "float" and sent["dimensions"] == 2  # the server shortens the vector
+    encoded = outcome.body["data"][0]["embedding"]
+    assert isinstance(encoded, str)
+    assert struct.unpack("<2f", base64.b64decode(encoded)) == pytest.approx((0.6, 0.8))
 
 
 def test_a_400_fails_only_its_row_with_the_servers_message_and_param(server: FakeServer) -> None:

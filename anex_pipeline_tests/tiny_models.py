@@ -259,3 +259,20 @@ def write_config(folder: Path, **fields: object) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(fields), encoding="utf-8")
     return folder
+
+
+def build_matryoshka_embedding_model(dest: Path) -> Path:
+    """The embedded all-MiniLM-L6-v2 declared a Matryoshka model (``matryoshka_dimensions`` in its
+    config, as such models declare it), its files linked, not copied: vLLM then shortens its
+    vectors to a row's ``dimensions``, which is all a test of that field needs to see."""
+    from anex_pipeline.engine.models import embedding_model_dir
+
+    source = embedding_model_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (dest / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config["matryoshka_dimensions"] = [128, 256, 384]
+    (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return dest

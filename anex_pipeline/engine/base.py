@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from anex_pipeline.engine import prefix_order
+from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats import InputRow
@@ -117,14 +118,17 @@ def resolve_request(
 def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopCheck | None = None) -> list[RowOutcome]:
     """Runs the requests and applies the after-generation checks (cap reached, format) to each;
     ``stop`` is checked per engine step when the engine streams, else before it starts."""
+    prompts = PromptParts()
+    parts = list(prompts.split(requests))
     stream = getattr(engine, "stream", None)
     if stop is not None and stream is not None:
-        outcomes = collect(lambda reqs, rows: stream(reqs, rows, stop), requests)
+        outcomes = collect(lambda reqs, rows: stream(reqs, rows, stop), parts)
     else:
         if stop is not None:
             stop()
-        outcomes = engine.run(requests)
-    return [checked(o, r) for o, r in zip(outcomes, requests, strict=True)]
+        outcomes = engine.run(parts)
+    joined = {o.index: o for o in prompts.join(outcomes)}
+    return [checked(joined[r.index], r) for r in requests]
 
 
 def stream_checked(
@@ -158,14 +162,16 @@ def stream_checked(
     engine = engine_for()
     if stop is not None:
         stop()  # a stop that came while the engine loaded
-    feed = recorded()
+    prompts = PromptParts()  # a completions row of several prompts goes to the engine as one per prompt
+    feed = prompts.split(recorded())
     if order and getattr(engine, "prefix_cache", None) is not None:
         feed = prefix_order.ordered(feed, engine, stop)  # type: ignore[arg-type]
     stream = getattr(engine, "stream", None)
     groups = stream(feed, group_rows, stop) if stream is not None else in_groups(engine.run, feed, group_rows, stop)
     try:
         for group in groups:
-            yield [checked(o, asked.pop(o.index)) for o in group]
+            if rows := prompts.join(group):
+                yield [checked(o, asked.pop(o.index)) for o in rows]
     finally:
         groups.close()
 

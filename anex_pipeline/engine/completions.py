@@ -6,6 +6,8 @@ types (``ChatCompletion``, ``Completion``, ``CreateEmbeddingResponse``) accept t
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,13 +77,36 @@ def unit_vector(vector: Iterable[float]) -> list[float]:
     return [x / norm for x in values]
 
 
-def embedding_response(model: str, vector: list[float], prompt_tokens: int) -> dict[str, Any]:
+def embedding_response(
+    model: str, vectors: list[list[float]], prompt_tokens: int, encoding_format: str | None = None
+) -> dict[str, Any]:
+    """An embeddings response: one ``data`` item per input, in input order, each vector as floats
+    or, with ``encoding_format`` "base64", as OpenAI sends it: its little-endian float32 bytes in
+    base64; ``prompt_tokens`` counts every input's tokens."""
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+        "data": [
+            {"object": "embedding", "index": n, "embedding": encoded_vector(v, encoding_format)}
+            for n, v in enumerate(vectors)
+        ],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+def encoded_vector(vector: list[float], encoding_format: str | None) -> list[float] | str:
+    """A unit vector as a row asked for it: floats, or base64 of little-endian float32."""
+    if encoding_format != "base64":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def one_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """A completions row's one prompt, as text or token ids, from any of OpenAI's shapes (a list
+    holding one prompt is that prompt)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        return prompt[0]
+    return prompt
 
 
 def body_for(endpoint: str, request_id: str, model: str, g: Generated) -> dict[str, Any]:

@@ -290,3 +290,34 @@ def _nearest_model(name: str, hub_cache: Path) -> str:
         known += [e.name[len("models--") :].replace("--", "/") for e in hub_cache.glob("models--*--*")]
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def matryoshka_dimensions(reference: str) -> tuple[bool, list[int] | None] | None:
+    """Whether an embedding model can shorten its vectors (Matryoshka), read from its
+    ``config.json`` as vLLM reads it (``matryoshka_dimensions`` or ``is_matryoshka``), with the
+    lengths it allows (None: any up to its full length); None when the config is not on this
+    machine (a model only a server has), so that the server decides."""
+    try:
+        path = embedding_model_dir() if reference == DEFAULT_EMBEDDING_MODEL else Path(reference).expanduser()
+    except (ModuleNotFoundError, FileNotFoundError):  # the bundled model is missing: its check says so
+        return None
+    config = path / "config.json"
+    if not path.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(reference, "config.json")
+        except Exception:  # not a hub id at all
+            return None
+        if not isinstance(cached, str):
+            return None
+        config = Path(cached)
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, dict):
+        return None
+    dims = values.get("matryoshka_dimensions")
+    allowed = [d for d in dims if isinstance(d, int)] if isinstance(dims, list) and dims else None
+    return bool(allowed) or values.get("is_matryoshka") is True, allowed

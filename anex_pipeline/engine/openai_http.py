@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
-from anex_pipeline.engine.completions import unit_vector
+from anex_pipeline.engine.completions import encoded_vector, unit_vector
 from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
@@ -310,8 +310,9 @@ class OpenAIHttpEngine:
         try:
             payload = response.json()
             if req.endpoint == "embeddings":
+                fmt = req.body.get("encoding_format")
                 for item in payload["data"]:
-                    item["embedding"] = unit_vector(item["embedding"])
+                    item["embedding"] = encoded_vector(unit_vector(item["embedding"]), fmt)
             elif req.endpoint == "chat":
                 _name_reasoning_as_specified(payload)
             usage = row_usage(payload.get("usage"), req.endpoint)
@@ -339,7 +340,9 @@ def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
     """The row's body with the job's resolved values in force, as the server takes it."""
     body = {**req.body, "model": model}
     if req.endpoint == "embeddings":
-        body["encoding_format"] = "float"  # vectors are normalised here, so they must arrive as numbers
+        # Vectors are normalised here, so they must arrive as numbers; a base64 row gets its
+        # encoding here too, from the unit vector.
+        body["encoding_format"] = "float"
         return body
     body.update(req.sampling)
     body.pop("max_completion_tokens", None)

@@ -44,7 +44,7 @@ from anex_pipeline.engine.base import (
     in_groups,
     rejected,
 )
-from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
+from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
@@ -234,8 +234,8 @@ class VllmLocalEngine:
             except Exception as exc:  # the template itself refused the conversation
                 raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
             return list(self.tokenizer.encode(text, add_special_tokens=False))
-        text = req.body["prompt"] if req.endpoint == "completions" else _embedding_text(req.body["input"])
-        return list(self.tokenizer.encode(text))
+        prompt = one_prompt(req.body["prompt"])
+        return list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
 
     def _has_media(self, messages: list[dict[str, Any]]) -> bool:
         """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
@@ -499,29 +499,47 @@ class VllmLocalEngine:
 
     def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
         outcomes: dict[int, RowOutcome] = {}
-        ready: list[tuple[EngineRequest, list[int]]] = []
+        ready: list[tuple[EngineRequest, list[list[int]]]] = []
         for req in requests:
-            ids = self._prompt_ids(req)
-            if len(ids) > self.max_model_len:
-                problem = f"the input has {len(ids)} tokens but the model takes at most {self.max_model_len}"
-                outcomes[req.index] = rejected(req, problem, "input", CONTEXT_LENGTH_EXCEEDED)
-            else:
-                ready.append((req, ids))
+            try:
+                ready.append((req, self._embedding_inputs(req)))
+            except RequestProblem as exc:
+                outcomes[req.index] = rejected(req, exc.message, exc.param, exc.code)
         with self._watched(), self.lanes.lock:  # one batch at a time on the engine
             finished = self._embed_isolating(ready)
         for req, outcome in finished:
             outcomes[req.index] = outcome
         return [outcomes[r.index] for r in requests]
 
-    def _embed_isolating(self, ready: list[tuple[EngineRequest, list[int]]]) -> list[tuple[EngineRequest, RowOutcome]]:
-        """Embeds the batch; if vLLM refuses it as a whole, splits it to find the rows at fault."""
+    def _embedding_inputs(self, req: EngineRequest) -> list[list[int]]:
+        """The token ids of each of a row's inputs (token-id inputs as given), each within the
+        model's context."""
+        given = req.body["input"]
+        inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
+        ids = [list(self.tokenizer.encode(item)) if isinstance(item, str) else item for item in inputs]
+        for n, one in enumerate(ids):
+            if len(one) > self.max_model_len:
+                where = "input" if len(ids) == 1 else f"input[{n}]"
+                problem = f"{where} has {len(one)} tokens but the model takes at most {self.max_model_len}"
+                raise RequestProblem(problem, where, CONTEXT_LENGTH_EXCEEDED)
+        return ids
+
+    def _embed_isolating(
+        self, ready: list[tuple[EngineRequest, list[list[int]]]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Embeds the batch, every input of every row with its row's pooling parameters (vLLM
+        shortens a Matryoshka vector to the row's ``dimensions``); if vLLM refuses the batch as
+        a whole, splits it to find the rows at fault."""
+        from vllm import PoolingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
 
         if not ready:
             return []
+        prompts = [TokensPrompt(prompt_token_ids=ids) for _, inputs in ready for ids in inputs]
+        params = [PoolingParams(dimensions=req.body.get("dimensions")) for req, inputs in ready for _ in inputs]
         try:
-            results = self.llm.embed([TokensPrompt(prompt_token_ids=ids) for _, ids in ready], use_tqdm=False)
+            results = self.llm.embed(prompts, pooling_params=params, use_tqdm=False)
         except (VLLMValidationError, ValueError, TypeError) as exc:
             if len(ready) == 1:
                 req = ready[0][0]
@@ -529,9 +547,10 @@ class VllmLocalEngine:
             log.info("batch of %d refused (%s); isolating the rows at fault", len(ready), exc)
             half = len(ready) // 2
             return self._embed_isolating(ready[:half]) + self._embed_isolating(ready[half:])
+        vectors = iter(res.outputs.embedding for res in results)
         return [
-            (req, self._embedding_outcome(req, len(ids), res.outputs.embedding))
-            for (req, ids), res in zip(ready, results, strict=True)
+            (req, self._embedding_outcome(req, sum(map(len, inputs)), [next(vectors) for _ in inputs]))
+            for req, inputs in ready
         ]
 
     def _completion_outcome(self, flight: _Flight, answer: Answer) -> RowOutcome:
@@ -581,9 +600,9 @@ class VllmLocalEngine:
             log.warning("row %s: the output parsers failed; delivering the raw text", req.key, exc_info=True)
             return Parsed(content=text)
 
-    def _embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vector: Any) -> RowOutcome:
-        values = unit_vector(vector)
-        body = embedding_response(self.model_name, values, prompt_tokens)
+    def _embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vectors: list[Any]) -> RowOutcome:
+        values = [unit_vector(v) for v in vectors]
+        body = embedding_response(self.model_name, values, prompt_tokens, req.body.get("encoding_format"))
         return RowOutcome(
             index=req.index, key=req.key, status_code=200, body=body, usage={"prompt_tokens": prompt_tokens}
         )
@@ -664,10 +683,6 @@ def _fixed_audio_rate(llm: Any) -> int | None:
     extractor = getattr(llm.renderer.get_mm_processor().info.get_hf_processor(), "feature_extractor", None)
     rate = getattr(extractor, "sampling_rate", None)
     return int(rate) if rate else None
-
-
-def _embedding_text(value: Any) -> str:
-    return value[0] if isinstance(value, list) else value
 
 
 def _media_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str, dict[str, Any]]]:

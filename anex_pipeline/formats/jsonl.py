@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from anex_pipeline import responses
+from anex_pipeline.engine.models import matryoshka_dimensions, resolve_model
 from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
 from anex_pipeline.spec import (
     DUPLICATE_ID,
@@ -163,6 +164,7 @@ def read_chunks(
     ids = _Ids()
     index = 0
     chunk: list[bytes] = []
+    shortening = matryoshka_dimensions(resolve_model(options.model, endpoint)[0]) if endpoint == "embeddings" else None
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
     with path.open("rb") as f:
         head = f.read(4)
@@ -176,7 +178,7 @@ def read_chunks(
         for number, raw in _Lines(f):
             if number == 1 and raw is not None:
                 raw = raw.removeprefix(_UTF8_BOM)
-            line = _fast_line(raw, own_urls, endpoint, model_names)
+            line = _fast_line(raw, own_urls, endpoint, model_names, shortening)
             if line is not None:
                 ids.add(line[0], number)
                 chunk.append(_shard_line(index, *line))
@@ -194,7 +196,7 @@ def read_chunks(
                 if reason is not None:
                     problems = [Problem(reason, line=number, code=INVALID_JSON)]
                 else:
-                    problems = _check_line(value, endpoint, model_names, number)
+                    problems = _check_line(value, endpoint, model_names, number, shortening)
             if problems:
                 if chunk:
                     yield chunk
@@ -257,6 +259,7 @@ def _fast_line(
     own_urls: set[str],
     endpoint: Endpoint,
     model_names: frozenset[str],
+    shortening: tuple[bool, list[int] | None] | None,
 ) -> tuple[str, bytes] | None:
     """(custom_id, body as JSON) for a line that passes every check; None when the line must go
     the full way (it may still be good)."""
@@ -275,7 +278,7 @@ def _fast_line(
         body = msgspec.json.decode(request.body)
     except (msgspec.DecodeError, RecursionError):
         return None
-    if type(body) is not dict or check_body(body, endpoint, model_names):
+    if type(body) is not dict or check_body(body, endpoint, model_names, shortening):
         return None
     return cid, bytes(request.body)
 
@@ -293,7 +296,13 @@ def shard_row(line: bytes | str, endpoint: Endpoint, options: JobOptions) -> Inp
     return InputRow(index=rec["i"], key=rec["key"], body=_apply_job_prompt(rec["body"], endpoint, options))
 
 
-def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], number: int) -> list[Problem]:
+def _check_line(
+    value: Any,
+    endpoint: Endpoint,
+    model_names: frozenset[str],
+    number: int,
+    shortening: tuple[bool, list[int] | None] | None,
+) -> list[Problem]:
     if not isinstance(value, dict):
         return [Problem("must be a JSON object with custom_id and body", line=number, code=INVALID_TYPE)]
     problems = []
@@ -321,7 +330,9 @@ def _check_line(value: Any, endpoint: Endpoint, model_names: frozenset[str], num
         problems.append(Problem("is required: the request as the OpenAI API takes it", number, "body", MISSING))
     else:
         own = ENDPOINT_BY_URL.get(url, endpoint) if isinstance(url, str) else endpoint  # not the job's, if mixed
-        problems += [Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names)]
+        problems += [
+            Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names, shortening)
+        ]
     return problems
 
 
