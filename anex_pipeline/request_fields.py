@@ -80,7 +80,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "stream": BodyField((bool,)),
     "stream_options": BodyField((dict,), CHAT_AND_COMPLETIONS),
     "logprobs": BodyField((bool, int), CHAT_AND_COMPLETIONS),
-    "top_logprobs": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "top_logprobs": BodyField((int,), frozenset({CHAT})),
     "user": BodyField((str,), ALL),
     "metadata": BodyField((dict,)),
     "store": BodyField((bool,)),

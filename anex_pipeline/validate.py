@@ -49,6 +49,9 @@ KIND_WORDS = {
 }
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine takes a seed as a signed 64-bit integer
 INT32_MAX = 2**31 - 1
+# The most alternatives a token's logprobs may list: OpenAI's limit for chat, and vLLM's default
+# max_logprobs, above which the engine would refuse the row.
+MAX_LOGPROBS = 20
 # Integer request fields and job options with the values the engine can take: (lowest, highest).
 INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
@@ -60,6 +63,8 @@ INTEGER_RANGES = {
     "reasoning_budget": (0, INT32_MAX),
     "truncate_prompt_tokens": (-1, INT32_MAX),
     "dimensions": (1, INT32_MAX),
+    "top_logprobs": (0, MAX_LOGPROBS),
+    "logprobs": (0, MAX_LOGPROBS),  # completions' count; chat's is true or false
 }
 LOGIT_BIAS_LIMIT = 100.0
 # Number fields of a request body and of the job options (integers as above, biases, the rest floats).
@@ -157,17 +162,8 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     if body.get("stream"):
         problems.append(FieldProblem("body.stream", "streaming is not available in a batch job; remove it"))
     problems += check_numbers(body, "body.")
-    if body.get("logprobs") not in (None, False):
-        problems.append(
-            FieldProblem("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs")
-        )
-    elif body.get("top_logprobs") is not None:
-        problems.append(
-            FieldProblem(
-                "body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs"
-            )
-        )
     problems += _check_fields(body, endpoint)
+    problems += _check_logprobs(body, endpoint)
     n = body.get("n", 1)
     if n != 1:
         problems.append(FieldProblem("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
@@ -177,6 +173,22 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+def _check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:
+    """Chat asks for logprobs with ``logprobs: true`` and ``top_logprobs`` alternatives (which
+    need it), completions with ``logprobs: k``; the counts' range is :func:`check_numbers`'."""
+    logprobs = body.get("logprobs")
+    if endpoint == "chat":
+        if logprobs is not None and type(logprobs) is not bool:
+            message = f"must be true or false in a chat request (top_logprobs sets the count), got {_kind(logprobs)}"
+            return [FieldProblem("body.logprobs", message, INVALID_TYPE)]
+        if body.get("top_logprobs") is not None and logprobs is not True:
+            return [FieldProblem("body.top_logprobs", "needs logprobs: true; set it or remove top_logprobs")]
+    elif endpoint == "completions" and type(logprobs) is bool:
+        message = f"must be the number of alternatives per token (0 to {MAX_LOGPROBS}) in a completions request"
+        return [FieldProblem("body.logprobs", message, INVALID_TYPE)]
+    return []
 
 
 def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:

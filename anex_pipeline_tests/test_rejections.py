@@ -306,21 +306,53 @@ CASES = [
         line=2,
         field="body.logit_bias.42",
     ),
-    # --- logprobs -------------------------------------------------------------------------------
-    case("logprobs-true", jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=3)), line=2, field="body.logprobs"),
+    # --- logprobs: the counts' bounds and the shape each endpoint asks in ------------------------
+    case(
+        "top-logprobs-21",
+        jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=21)),
+        line=2,
+        field="body.top_logprobs",
+        says=("0 to 20",),
+    ),
+    case(
+        "top-logprobs-negative",
+        jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=-1)),
+        line=2,
+        field="body.top_logprobs",
+    ),
     case(
         "top-logprobs-without-logprobs",
         jsonl_bytes(GOOD, chat("r2", top_logprobs=3)),
         line=2,
         field="body.top_logprobs",
-        says=("not supported",),
+        says=("needs logprobs: true",),
     ),
     case(
-        "completions-logprobs-count",
-        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=3)),
+        "chat-logprobs-count",
+        jsonl_bytes(GOOD, chat("r2", logprobs=3)),
         line=2,
         field="body.logprobs",
-        says=("not supported",),
+        says=("true or false",),
+    ),
+    case(
+        "completions-logprobs-21",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=21)),
+        line=2,
+        field="body.logprobs",
+        says=("0 to 20",),
+    ),
+    case(
+        "completions-logprobs-true",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=True)),
+        line=2,
+        field="body.logprobs",
+        says=("number of alternatives",),
+    ),
+    case(
+        "completions-top-logprobs",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=2, top_logprobs=2)),
+        line=2,
+        field="body.top_logprobs",
     ),
     # --- media URLs that can never be fetched ----------------------------------------------------
     case(
@@ -767,6 +799,14 @@ GOOD_CASES = [
     case("nan-inside-a-string", jsonl_bytes(chat("a", messages=[{"role": "user", "content": "NaN"}]))),
     case("line-exactly-at-the-limit", jsonl_bytes(GOOD, exactly(1024)), max_line_bytes=1024),
     case("completions", jsonl_bytes(completion("a", prompt="Once"), completion("b", prompt="upon"))),
+    case(
+        "logprobs-at-their-limits",
+        jsonl_bytes(chat("a", logprobs=True, top_logprobs=20), chat("b", logprobs=True), chat("c", logprobs=False)),
+    ),
+    case(
+        "completions-logprobs",
+        jsonl_bytes(completion("a", prompt="x", logprobs=0), completion("b", prompt="y", logprobs=20)),
+    ),
     case("embeddings", jsonl_bytes(embedding("a", input="x"), embedding("b", input=["y"]))),
     case("parquet-prompt-and-id", parquet_writer({"id": [3, 1], "prompt": ["a", "b"]}), name="in.parquet"),
     case("parquet-messages", parquet_writer({"messages": [[{"role": "user", "content": "hi"}]]}), name="in.parquet"),

@@ -45,6 +45,8 @@ class EngineRequest:
     respond: dict[str, Any] | None = None
     # The rendered prompt's tokens, when an engine made them ahead of sending (to order rows).
     prompt_ids: array[int] | None = None
+    # Logprobs for every generated token, with this many alternatives each; None: no logprobs.
+    logprobs: int | None = None
 
     @property
     def constrained(self) -> bool:
@@ -111,7 +113,19 @@ def resolve_request(
         parse_thinking=options.parse_thinking is not False,
         parse_tool_calls=options.parse_tool_calls is not False,
         respond=row.respond,
+        logprobs=logprobs_asked(endpoint, body),
     )
+
+
+def logprobs_asked(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+    """How many alternatives each generated token's logprobs list, or None when the row asks for
+    none: chat asks with ``logprobs: true`` and ``top_logprobs``, completions with ``logprobs: k``."""
+    if endpoint == "chat":
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+    if endpoint == "completions":
+        wanted = body.get("logprobs")
+        return wanted if type(wanted) is int else None
+    return None
 
 
 def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopCheck | None = None) -> list[RowOutcome]:

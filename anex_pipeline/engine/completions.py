@@ -24,6 +24,8 @@ class Generated:
     reasoning: str | None = None
     reasoning_tokens: int = 0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # The choice's logprobs in its endpoint's shape (chat's ``content`` list, completions' four lists).
+    logprobs: dict[str, Any] | None = None
 
 
 def usage(g: Generated) -> dict[str, Any]:
@@ -50,7 +52,7 @@ def chat_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "logprobs": g.logprobs, "finish_reason": finish}],
         "usage": usage(g),
         "system_fingerprint": None,
     }
@@ -62,7 +64,7 @@ def text_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}],
+        "choices": [{"index": 0, "text": g.text, "logprobs": g.logprobs, "finish_reason": g.finish_reason}],
         "usage": usage(g),
         "system_fingerprint": None,
     }

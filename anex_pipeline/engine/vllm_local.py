@@ -116,6 +116,7 @@ class _Flight:
     cached_tokens: int = 0
     head: list[int] | None = None
     head_text: str = ""
+    head_logprobs: list[Any] | None = None  # the head's, when the row asked for logprobs
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Answer:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[Any] | None = None  # per token: vLLM's alternatives by token id (None: forced)
 
 
 class RequestProblem(AnexError):
@@ -321,6 +323,8 @@ class VllmLocalEngine:
             kwargs.setdefault("skip_special_tokens", False)
         if self.thinking is not None and req.reasoning_budget:
             kwargs["thinking_token_budget"] = req.reasoning_budget
+        if req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
         rf = req.response_format
         try:
             if rf is not None and rf["type"] == "json_object":
@@ -460,7 +464,8 @@ class VllmLocalEngine:
         out = res.outputs[0]
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
-            answer = Answer(list(out.token_ids), out.text, out.finish_reason)
+            logprobs = None if out.logprobs is None else list(out.logprobs)
+            answer = Answer(list(out.token_ids), out.text, out.finish_reason, logprobs)
             try:
                 if self._continue_after_notice(flight, answer, lane):
                     return
@@ -468,7 +473,8 @@ class VllmLocalEngine:
                 done.append(self._refused(flight.req, exc))
                 return
         else:
-            answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason)
+            logprobs = None if flight.head_logprobs is None else flight.head_logprobs + list(out.logprobs or ())
+            answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason, logprobs)
         done.append(self._completion_outcome(flight, answer))
 
     def _continue_after_notice(self, flight: _Flight, answer: Answer, lane: Lane) -> bool:
@@ -483,10 +489,13 @@ class VllmLocalEngine:
         head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
         flight.head = head
         flight.head_text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
+        if answer.logprobs is not None:  # the forced notice and end tag were never sampled
+            flight.head_logprobs = (answer.logprobs[:cut] + [None] * len(t.notice + t.closing))[: len(head)]
         left = params.max_tokens - len(head)
         if left < 1:
             flight.head = None
             answer.token_ids, answer.text, answer.finish_reason = head, flight.head_text, "length"
+            answer.logprobs = flight.head_logprobs
             return False
         follow = params.clone()
         follow.max_tokens, follow.thinking_token_budget = left, None
@@ -559,9 +568,34 @@ class VllmLocalEngine:
             reasoning=parsed.reasoning,
             reasoning_tokens=thinking,
             tool_calls=parsed.tool_calls,
+            logprobs=self._logprobs_object(req, answer),
         )
         body = body_for(req.endpoint, req.request_id, self.model_name, g)
         return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=_usage(g))
+
+    def _logprobs_object(self, req: EngineRequest, answer: Answer) -> dict[str, Any] | None:
+        """The answer's logprobs in its endpoint's shape, or None when the row asked for none.
+
+        They cover every generated token, a thinking trace and tool-call text included, as
+        vLLM's server gives them (a token the thinking budget forced has no logprob). vLLM's own
+        server code shapes them, on instances without server state: these two methods read
+        nothing of it but whether to show tokens as ids.
+        """
+        if req.logprobs is None or answer.logprobs is None:
+            return None
+        if req.endpoint == "chat":
+            from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+            shaped = _stateless(OpenAIServingChat)._create_chat_logprobs(
+                answer.token_ids, answer.logprobs, self.tokenizer, num_output_top_logprobs=req.logprobs
+            )
+        else:
+            from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+            shaped = _stateless(OpenAIServingCompletion)._create_completion_logprobs(
+                answer.token_ids, answer.logprobs, req.logprobs, self.tokenizer
+            )
+        return shaped.model_dump(mode="json")
 
     def _parsed(self, req: EngineRequest, text: str, output_ids: list[int], prompt_ids: list[int]) -> Parsed:
         """The chat answer split by the model's parsers (completions keep the raw text)."""
@@ -587,6 +621,14 @@ class VllmLocalEngine:
         return RowOutcome(
             index=req.index, key=req.key, status_code=200, body=body, usage={"prompt_tokens": prompt_tokens}
         )
+
+
+def _stateless(serving: type) -> Any:
+    """An instance of one of vLLM's serving classes with none of a server's state, for its
+    response-shaping methods; tokens are shown as text, as by default."""
+    shaper = object.__new__(serving)
+    shaper.return_tokens_as_token_ids = False
+    return shaper
 
 
 def _usage(g: Generated) -> dict[str, int]:

@@ -1,0 +1,98 @@
+"""Generation request fields on the real vLLM engine (the CPU build here, the embedded model):
+logprobs, several choices per row and the chat template's reasoning effort, each as OpenAI's
+(or vLLM's) API documents it. The jobs share the session's runner and its loaded engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+
+pytestmark = pytest.mark.engine
+
+
+def completion_row(cid: str, prompt: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+
+
+def bodies(out: Path) -> dict[str, dict[str, Any]]:
+    lines = read_jsonl(out)
+    assert all(line["error"] is None for line in lines), [line["error"] for line in lines]
+    return {line["custom_id"]: line["response"]["body"] for line in lines}
+
+
+def test_chat_logprobs_cover_every_token_and_greedy_tokens_top_their_alternatives(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    question = "Name a colour."
+    rows = [
+        chat_row("top3", question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3),
+        chat_row("again", question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3),
+        chat_row("bare", question, max_tokens=12, temperature=0, logprobs=True),
+        chat_row("none", question, max_tokens=12, temperature=0),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run_job(real_runner, src, tmp_path / "out.jsonl").status == "completed"
+    got = bodies(tmp_path / "out.jsonl")
+
+    body = ChatCompletion.model_validate(got["top3"])
+    content = body.choices[0].logprobs.content
+    assert body.usage is not None and len(content) == body.usage.completion_tokens > 0
+    assert "".join(t.token for t in content) == body.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token  # greedy: each token is its best alternative
+        assert math.isclose(token.top_logprobs[0].logprob, token.logprob, abs_tol=1e-4)
+        assert token.logprob <= 0 and token.bytes == list(token.token.encode())
+    # the twin is a copy of the same answer, logprobs and all; a row that asked for none has none
+    assert got["again"]["choices"][0]["logprobs"] == got["top3"]["choices"][0]["logprobs"]
+    bare = ChatCompletion.model_validate(got["bare"]).choices[0].logprobs.content
+    assert [t.token for t in bare] == [t.token for t in content] and all(t.top_logprobs == [] for t in bare)
+    assert got["none"]["choices"][0]["logprobs"] is None
+    assert got["none"]["choices"][0]["message"]["content"] == got["top3"]["choices"][0]["message"]["content"]
+
+
+def test_answer_reuse_never_hands_a_logprobs_row_an_answer_without_them(tmp_path: Path, real_runner: JobRunner) -> None:
+    """The row without logprobs runs first and its answer is kept for reuse; its twins that ask
+    for logprobs (as they may in a later shard) must be generated with them."""
+    rows = [
+        chat_row("plain", "Say yes.", max_tokens=4, temperature=0),
+        chat_row("asks", "Say yes.", max_tokens=4, temperature=0, logprobs=True, top_logprobs=1),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run_job(real_runner, src, tmp_path / "out.jsonl", {"shards": 2}).status == "completed"
+    got = bodies(tmp_path / "out.jsonl")
+    assert got["plain"]["choices"][0]["logprobs"] is None
+    asked = got["asks"]["choices"][0]["logprobs"]["content"]
+    assert len(asked) == got["asks"]["usage"]["completion_tokens"]
+
+
+def test_completions_logprobs_are_four_lists_of_one_length(tmp_path: Path, real_runner: JobRunner) -> None:
+    rows = [
+        completion_row("k2", "The capital of France is", max_tokens=6, temperature=0, logprobs=2),
+        completion_row("k0", "The capital of France is", max_tokens=6, temperature=0, logprobs=0),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run_job(real_runner, src, tmp_path / "out.jsonl").status == "completed"
+    got = bodies(tmp_path / "out.jsonl")
+
+    body = Completion.model_validate(got["k2"])
+    lp = body.choices[0].logprobs
+    assert body.usage is not None
+    lengths = {len(lp.tokens), len(lp.token_logprobs), len(lp.top_logprobs), len(lp.text_offset)}
+    assert lengths == {body.usage.completion_tokens}
+    assert "".join(lp.tokens) == body.choices[0].text
+    offsets = [0, *[sum(len(t) for t in lp.tokens[: i + 1]) for i in range(len(lp.tokens) - 1)]]
+    assert lp.text_offset == offsets
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 2 <= len(top) <= 3  # the sampled token and the two best (OpenAI's legacy shape)
+        assert max(top, key=top.get) == token and math.isclose(top[token], logprob, abs_tol=1e-4)
+    k0 = got["k0"]["choices"][0]["logprobs"]
+    assert k0["tokens"] == lp.tokens and all(logprob is not None for logprob in k0["token_logprobs"])
