@@ -76,7 +76,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "thinking_token_budget": BodyField((int,)),
     "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
     "text": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its format is chat's response_format
-    "n": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
+    "n": BodyField((int,), CHAT_AND_COMPLETIONS),
     "stream": BodyField((bool,)),
     "stream_options": BodyField((dict,), CHAT_AND_COMPLETIONS),
     "logprobs": BodyField((bool, int), CHAT_AND_COMPLETIONS),

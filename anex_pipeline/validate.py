@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from anex_pipeline.media.refs import part_reference, reference_problem
-from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
+from anex_pipeline.request_fields import CAP_FIELDS, NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
     INVALID_TYPE,
@@ -52,6 +52,10 @@ INT32_MAX = 2**31 - 1
 # The most alternatives a token's logprobs may list: OpenAI's limit for chat, and vLLM's default
 # max_logprobs, above which the engine would refuse the row.
 MAX_LOGPROBS = 20
+# The most choices a row may ask for (``n``), and the most tokens its choices may ask for together
+# (``n`` x its own max_tokens): a row is one request to the engine, whose batch it would fill.
+MAX_CHOICES = 128
+MAX_ROW_TOKENS = 2**20
 # Integer request fields and job options with the values the engine can take: (lowest, highest).
 INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
@@ -63,6 +67,7 @@ INTEGER_RANGES = {
     "reasoning_budget": (0, INT32_MAX),
     "truncate_prompt_tokens": (-1, INT32_MAX),
     "dimensions": (1, INT32_MAX),
+    "n": (1, MAX_CHOICES),
     "top_logprobs": (0, MAX_LOGPROBS),
     "logprobs": (0, MAX_LOGPROBS),  # completions' count; chat's is true or false
 }
@@ -164,15 +169,39 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     problems += check_numbers(body, "body.")
     problems += _check_fields(body, endpoint)
     problems += _check_logprobs(body, endpoint)
-    n = body.get("n", 1)
-    if n != 1:
-        problems.append(FieldProblem("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
+    problems += _check_choices(body)
+    effort = body.get("reasoning_effort")
+    if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
+        message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
+        problems.append(FieldProblem("body.reasoning_effort", message))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+def _check_choices(body: dict[str, Any]) -> list[FieldProblem]:
+    """``n`` above 1 with sampling that can differ, and times the row's own cap within the row's
+    token budget (n's own range is :func:`check_numbers`')."""
+    n = body.get("n")
+    if type(n) is not int or not 1 < n <= MAX_CHOICES:
+        return []
+    if body.get("temperature") == 0:  # vLLM refuses it: greedy choices would all be the same
+        return [
+            FieldProblem(
+                "body.n", f"is {n} but temperature is 0, which gives one answer; set n to 1 or raise temperature"
+            )
+        ]
+    cap = next((body[name] for name in CAP_FIELDS if body.get(name) is not None), None)
+    if type(cap) is not int or n * cap <= MAX_ROW_TOKENS:
+        return []
+    message = (
+        f"asks for {n} choices of up to {cap} tokens, {n * cap:,} in all; a row may ask for at most "
+        f"{MAX_ROW_TOKENS:,} (n x max_tokens): lower n or max_tokens"
+    )
+    return [FieldProblem("body.n", message)]
 
 
 def _check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:

@@ -4,6 +4,7 @@ logprobs, several choices per row and the chat template's reasoning effort, each
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,34 @@ def test_completions_logprobs_are_four_lists_of_one_length(tmp_path: Path, real_
         assert max(top, key=top.get) == token and math.isclose(top[token], logprob, abs_tol=1e-4)
     k0 = got["k0"]["choices"][0]["logprobs"]
     assert k0["tokens"] == lp.tokens and all(logprob is not None for logprob in k0["token_logprobs"])
+
+
+def test_n_choices_are_indexed_summed_and_reproducible_with_a_seed(tmp_path: Path, real_runner: JobRunner) -> None:
+    ask = {"max_tokens": 10, "temperature": 1.0, "seed": 7, "n": 3, "logprobs": True}
+    rows = [chat_row("a", "Invent a word.", **ask), chat_row("b", "Invent a word.", **ask)]
+    rows.append(completion_row("c", "Once upon a time", max_tokens=6, temperature=0.9, seed=3, n=2, logprobs=0))
+    chat_src = write_jsonl(tmp_path / "chat.jsonl", rows[:2])
+    # no answer reuse: the twin is generated again, and its seed must give it the same choices
+    assert run_job(real_runner, chat_src, tmp_path / "chat.out.jsonl", {"reuse_answers": False}).status == "completed"
+    got = bodies(tmp_path / "chat.out.jsonl")
+
+    body = ChatCompletion.model_validate(got["a"])
+    assert [c.index for c in body.choices] == [0, 1, 2]
+    assert body.usage is not None
+    assert body.usage.completion_tokens == sum(len(c.logprobs.content) for c in body.choices)
+    texts = [c.message.content for c in body.choices]
+    assert len(set(texts)) > 1  # each choice is sampled on its own (vLLM seeds choice i with seed + i)
+    assert [c.message.content for c in ChatCompletion.model_validate(got["b"]).choices] == texts
+    report = read_report(tmp_path / "chat.out.report.json")
+    assert report["usage"]["completion_tokens"] == 2 * body.usage.completion_tokens
+
+    completions_src = write_jsonl(tmp_path / "completions.jsonl", rows[2:])
+    assert run_job(real_runner, completions_src, tmp_path / "completions.out.jsonl").status == "completed"
+    completion = Completion.model_validate(bodies(tmp_path / "completions.out.jsonl")["c"])
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in completion.choices)
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

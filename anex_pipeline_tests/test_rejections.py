@@ -236,7 +236,23 @@ CASES = [
     ),
     case("model-not-a-string", jsonl_bytes(GOOD, chat("r2", model=["gpt-4o"])), line=2, field="body.model"),
     case("stream-true", jsonl_bytes(GOOD, chat("r2", stream=True)), line=2, field="body.stream"),
-    case("n-2", jsonl_bytes(GOOD, chat("r2", n=2)), line=2, field="body.n"),
+    case("n-129", jsonl_bytes(GOOD, chat("r2", n=129)), line=2, field="body.n", says=("1 to 128",)),
+    case("n-0", jsonl_bytes(GOOD, chat("r2", n=0)), line=2, field="body.n"),
+    case("n-greedy", jsonl_bytes(GOOD, chat("r2", n=2, temperature=0)), line=2, field="body.n", says=("temperature",)),
+    case("n-a-string", jsonl_bytes(GOOD, chat("r2", n="3")), line=2, field="body.n"),
+    case(
+        "n-times-max-tokens",
+        jsonl_bytes(GOOD, chat("r2", n=128, max_tokens=8193)),
+        line=2,
+        field="body.n",
+        says=("1,048,576", "n x max_tokens"),
+    ),
+    case(
+        "responses-n",
+        jsonl_bytes({"custom_id": "r1", "url": "/v1/responses", "body": {"input": "hi", "n": 2}}),
+        line=1,
+        field="body.n",
+    ),
     case(
         "row-response-format-xml",
         jsonl_bytes(GOOD, chat("r2", response_format={"type": "xml"})),
@@ -790,6 +806,7 @@ def exactly(limit: int) -> bytes:
 
 GOOD_CASES = [
     case("chat", jsonl_bytes(GOOD, chat("r2", max_tokens=5, n=1, stream=False))),
+    case("n-at-its-limits", jsonl_bytes(chat("a", n=128, max_tokens=8192), chat("b", n=3))),
     case("chat-without-method-and-url", jsonl_bytes({"custom_id": "a", "body": {"messages": MESSAGES}})),
     case("crlf-and-blank-lines", b"\r\n" + jsonl_bytes(GOOD).replace(b"\n", b"\r\n\r\n") + b"  \n"),
     case(

@@ -47,6 +47,7 @@ class EngineRequest:
     prompt_ids: array[int] | None = None
     # Logprobs for every generated token, with this many alternatives each; None: no logprobs.
     logprobs: int | None = None
+    choices: int = 1  # the row's n: answers generated for its prompt
 
     @property
     def constrained(self) -> bool:
@@ -97,6 +98,10 @@ def resolve_request(
     kwargs = dict(body.get("chat_template_kwargs") or {})
     if options.reasoning is not None:
         kwargs.setdefault("enable_thinking", options.reasoning)
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # as vLLM's server renders it: the template's argument, thinking on unless "none"
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
     digest = hashlib.sha256(f"{job_id}\0{row.key}".encode()).hexdigest()[:24]
     return EngineRequest(
         index=row.index,
@@ -114,6 +119,7 @@ def resolve_request(
         parse_tool_calls=options.parse_tool_calls is not False,
         respond=row.respond,
         logprobs=logprobs_asked(endpoint, body),
+        choices=body.get("n") or 1,
     )
 
 

@@ -12,6 +12,8 @@ a trace only by the whole forced text, so with a notice in it a trace that ends 
 prompt that switched thinking off) would be taken as still thinking and get the notice forced
 into its answer. Instead, a row whose trace was cut is continued from its trace, the notice and
 the end tag, so the model reads the notice and answers after it (its first answer is discarded).
+A row asking for several choices (``n``) is not continued: vLLM's budget closes each trace with the
+end tag alone.
 
 Chat answers are decoded with special tokens kept and split into answer, reasoning and tool calls
 by :mod:`anex_pipeline.engine.parsing`.
@@ -46,6 +48,7 @@ from anex_pipeline.engine.base import (
 )
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
+from anex_pipeline.engine.openai_http import row_usage
 from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -325,6 +328,8 @@ class VllmLocalEngine:
             kwargs["thinking_token_budget"] = req.reasoning_budget
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
+        if req.choices > 1:
+            kwargs["n"] = req.choices
         rf = req.response_format
         try:
             if rf is not None and rf["type"] == "json_object":
@@ -461,21 +466,25 @@ class VllmLocalEngine:
 
     def _land(self, flight: _Flight, res: Any, lane: Lane, done: list[RowOutcome]) -> None:
         """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
-        out = res.outputs[0]
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
-            logprobs = None if out.logprobs is None else list(out.logprobs)
-            answer = Answer(list(out.token_ids), out.text, out.finish_reason, logprobs)
-            try:
-                if self._continue_after_notice(flight, answer, lane):
+            answers = [
+                Answer(list(o.token_ids), o.text, o.finish_reason, None if o.logprobs is None else list(o.logprobs))
+                for o in sorted(res.outputs, key=lambda o: o.index)
+            ]
+            try:  # only a single choice is continued after the notice (see the module docstring)
+                if len(answers) == 1 and self._continue_after_notice(flight, answers[0], lane):
                     return
             except Exception as exc:  # the continuation could not be added
                 done.append(self._refused(flight.req, exc))
                 return
         else:
+            out = res.outputs[0]
             logprobs = None if flight.head_logprobs is None else flight.head_logprobs + list(out.logprobs or ())
-            answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason, logprobs)
-        done.append(self._completion_outcome(flight, answer))
+            answers = [
+                Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason, logprobs)
+            ]
+        done.append(self._completion_outcome(flight, answers))
 
     def _continue_after_notice(self, flight: _Flight, answer: Answer, lane: Lane) -> bool:
         """A row whose trace the budget cut: the notice goes before the end tag and the answer is
@@ -543,9 +552,10 @@ class VllmLocalEngine:
             for (req, ids), res in zip(ready, results, strict=True)
         ]
 
-    def _completion_outcome(self, flight: _Flight, answer: Answer) -> RowOutcome:
+    def _completion_outcome(self, flight: _Flight, answers: list[Answer]) -> RowOutcome:
+        """The row's response, one choice per answer (``n`` of them), in index order."""
         req = flight.req
-        if answer.finish_reason == "error" and req.constrained:
+        if req.constrained and any(a.finish_reason == "error" for a in answers):
             # vLLM ends a row this way when its grammar does not compile, or when the grammar
             # allows no token at all (a schema that only refers to itself): the schema is at fault.
             return rejected(
@@ -554,12 +564,20 @@ class VllmLocalEngine:
                 "grammar allows no output (e.g. a $ref that only refers to itself); fix the schema",
                 "response_format",
             )
-        if answer.finish_reason not in ("stop", "length"):
-            return engine_failure(req, f"generation ended abnormally ({answer.finish_reason})")
+        abnormal = next((a.finish_reason for a in answers if a.finish_reason not in ("stop", "length")), None)
+        if abnormal is not None:
+            return engine_failure(req, f"generation ended abnormally ({abnormal})")
+        choices = [self._generated(flight, answer) for answer in answers]
+        body = body_for(req.endpoint, req.request_id, self.model_name, *choices)
+        usage = row_usage(body["usage"], req.endpoint)
+        return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=usage)
+
+    def _generated(self, flight: _Flight, answer: Answer) -> Generated:
+        req = flight.req
         parsed = self._parsed(req, answer.text, answer.token_ids, flight.prompt_ids)
         t = self.thinking
         thinking = count_thinking_tokens(flight.prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
-        g = Generated(
+        return Generated(
             text=parsed.content,
             finish_reason=answer.finish_reason,
             prompt_tokens=len(flight.prompt_ids),
@@ -570,8 +588,6 @@ class VllmLocalEngine:
             tool_calls=parsed.tool_calls,
             logprobs=self._logprobs_object(req, answer),
         )
-        body = body_for(req.endpoint, req.request_id, self.model_name, g)
-        return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=_usage(g))
 
     def _logprobs_object(self, req: EngineRequest, answer: Answer) -> dict[str, Any] | None:
         """The answer's logprobs in its endpoint's shape, or None when the row asked for none.
@@ -629,15 +645,6 @@ def _stateless(serving: type) -> Any:
     shaper = object.__new__(serving)
     shaper.return_tokens_as_token_ids = False
     return shaper
-
-
-def _usage(g: Generated) -> dict[str, int]:
-    return {
-        "prompt_tokens": g.prompt_tokens,
-        "completion_tokens": g.completion_tokens,
-        "reasoning_tokens": g.reasoning_tokens,
-        "cached_prompt_tokens": g.cached_tokens,
-    }
 
 
 def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
