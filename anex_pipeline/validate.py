@@ -170,6 +170,8 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     problems += _check_fields(body, endpoint)
     problems += _check_logprobs(body, endpoint)
     problems += _check_choices(body)
+    if endpoint == "chat":
+        problems += _check_tool_choice(body)
     effort = body.get("reasoning_effort")
     if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
@@ -180,6 +182,42 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:
+    """A tool_choice generation can be held to: one of the words, or a function the row offers."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    where = "body.tool_choice"
+    if choice is None or choice in ("none", "auto"):
+        return []
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        return [
+            FieldProblem(where, f"must be one of {', '.join(TOOL_CHOICES)} or a function; got {json.dumps(choice)}")
+        ]
+    names = [
+        t["function"].get("name") for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
+    if not names:
+        return [
+            FieldProblem(where, "forces a tool call but the row offers no function in tools; add tools or remove it")
+        ]
+    if choice == "required":
+        return []
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        message = 'must name a function like {"type": "function", "function": {"name": "get_weather"}}'
+        return [FieldProblem(where, message)]
+    if name not in names:
+        return [
+            FieldProblem(
+                f"{where}.function.name", f"is {json.dumps(name)}, which is not in tools ({', '.join(map(str, names))})"
+            )
+        ]
+    return []
 
 
 def _check_choices(body: dict[str, Any]) -> list[FieldProblem]:

@@ -128,3 +128,59 @@ def test_n_choices_are_indexed_summed_and_reproducible_with_a_seed(tmp_path: Pat
 
 def read_report(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_forced_tool_calls_are_generated_as_calls_that_validate(tmp_path: Path, real_runner: JobRunner) -> None:
+    """The embedded model has no tool parser and would answer in text: a forced choice holds its
+    generation to the call's JSON, as vLLM's server does."""
+    import jsonschema
+
+    ask = {"tools": [WEATHER, TIME], "max_tokens": 80, "temperature": 0}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    rows = [
+        chat_row("named", "What is the weather in Paris?", tool_choice=named, **ask),
+        chat_row("required", "What is the weather in Paris?", tool_choice="required", **ask),
+        chat_row("one", "Weather in Paris and Rome?", tool_choice="required", parallel_tool_calls=False, **ask),
+        chat_row("auto", "What is the weather in Paris?", **ask),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run_job(real_runner, src, tmp_path / "out.jsonl").status == "completed"
+    got = bodies(tmp_path / "out.jsonl")
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+    for cid in ("named", "required", "one"):
+        message = ChatCompletion.model_validate(got[cid]).choices[0].message
+        assert message.tool_calls, (cid, message)
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+    assert [c["function"]["name"] for c in got["named"]["choices"][0]["message"]["tool_calls"]] == ["get_time"]
+    assert len(got["one"]["choices"][0]["message"]["tool_calls"]) == 1
+    assert got["auto"]["choices"][0]["message"].get("tool_calls") is None  # no parser, nothing forced: text

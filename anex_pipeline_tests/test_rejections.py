@@ -238,6 +238,55 @@ CASES = [
     case("stream-true", jsonl_bytes(GOOD, chat("r2", stream=True)), line=2, field="body.stream"),
     case("n-129", jsonl_bytes(GOOD, chat("r2", n=129)), line=2, field="body.n", says=("1 to 128",)),
     case("n-0", jsonl_bytes(GOOD, chat("r2", n=0)), line=2, field="body.n"),
+    # --- forced tool calls: a function the row offers -------------------------------------------
+    case(
+        "tool-choice-unknown-function",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+            ),
+        ),
+        line=2,
+        field="body.tool_choice.function.name",
+        says=("get_weather",),
+    ),
+    case(
+        "tool-choice-required-without-tools",
+        jsonl_bytes(GOOD, chat("r2", tool_choice="required")),
+        line=2,
+        field="body.tool_choice",
+        says=("no function",),
+    ),
+    case(
+        "tool-choice-word",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice="always",
+            ),
+        ),
+        line=2,
+        field="body.tool_choice",
+        says=("required",),
+    ),
+    case(
+        "tool-choice-shape",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice={"name": "get_weather"},
+            ),
+        ),
+        line=2,
+        field="body.tool_choice",
+    ),
     case("n-greedy", jsonl_bytes(GOOD, chat("r2", n=2, temperature=0)), line=2, field="body.n", says=("temperature",)),
     case("n-a-string", jsonl_bytes(GOOD, chat("r2", n="3")), line=2, field="body.n"),
     case(

@@ -57,6 +57,7 @@ from anex_pipeline.engine.parsing import (
     ThinkingTags,
     budget_cut,
     count_thinking_tokens,
+    forced_tool_schema,
     thinking_tags,
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
@@ -331,8 +332,11 @@ class VllmLocalEngine:
         if req.choices > 1:
             kwargs["n"] = req.choices
         rf = req.response_format
+        forced = forced_tool_schema(req.body) if req.endpoint == "chat" else None
         try:
-            if rf is not None and rf["type"] == "json_object":
+            if forced is not None:  # a forced call wins over response_format, as in vLLM's server
+                kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
+            elif rf is not None and rf["type"] == "json_object":
                 kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
             elif rf is not None:
                 kwargs["structured_outputs"] = StructuredOutputsParams(json=rf["json_schema"]["schema"])
