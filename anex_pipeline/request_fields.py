@@ -77,6 +77,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
     "text": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its format is chat's response_format
     "n": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "structured_outputs": BodyField((dict,), CHAT_AND_COMPLETIONS),  # vLLM's: choice, regex, grammar or json
     "stream": BodyField((bool,)),
     "stream_options": BodyField((dict,), CHAT_AND_COMPLETIONS),
     "logprobs": BodyField((bool, int), CHAT_AND_COMPLETIONS),

@@ -172,6 +172,8 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
     problems += _check_choices(body)
     if endpoint == "chat":
         problems += _check_tool_choice(body)
+    if isinstance(body.get("structured_outputs"), dict):
+        problems += _check_structured_outputs(body)
     effort = body.get("reasoning_effort")
     if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
@@ -185,6 +187,43 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
 
 
 TOOL_CHOICES = ("none", "auto", "required")
+# vLLM's structured outputs a row may ask for, and their size bounds: a constraint is compiled
+# for its row alone, so its size bounds the compile's time and memory.
+STRUCTURED_OUTPUTS = ("choice", "regex", "grammar", "json")
+MAX_CHOICE_ITEMS = 1024
+MAX_CONSTRAINT_CHARS = 16 * 1024  # a regex, a grammar, a choice, or a schema written as JSON
+
+
+def _check_structured_outputs(body: dict[str, Any]) -> list[FieldProblem]:
+    """One of vLLM's structured outputs, of the right kind and within its size bound."""
+    where = "body.structured_outputs"
+    spec = body["structured_outputs"]
+    if body.get("response_format") is not None:
+        return [FieldProblem(where, "and response_format both constrain the answer; keep one of them")]
+    kinds = [k for k in STRUCTURED_OUTPUTS if spec.get(k) is not None]
+    others = sorted(set(spec) - set(STRUCTURED_OUTPUTS))
+    if others or len(kinds) != 1:
+        found = f"; {', '.join(others)} {'is' if len(others) == 1 else 'are'} not taken" if others else ""
+        return [FieldProblem(where, f"must hold exactly one of {', '.join(STRUCTURED_OUTPUTS)}{found}")]
+    kind, value = kinds[0], spec[kinds[0]]
+    at = f"{where}.{kind}"
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            return [FieldProblem(at, "must be a non-empty list of non-empty strings", INVALID_TYPE)]
+        if len(value) > MAX_CHOICE_ITEMS:
+            return [FieldProblem(at, f"holds {len(value)} choices; at most {MAX_CHOICE_ITEMS} are taken")]
+        size = sum(len(v) for v in value)
+    elif kind == "json":
+        if not isinstance(value, (dict, str)):
+            return [FieldProblem(at, "must be a JSON Schema object (or its JSON text)", INVALID_TYPE)]
+        size = len(value if isinstance(value, str) else json.dumps(value))
+    else:
+        if not isinstance(value, str) or not value:
+            return [FieldProblem(at, f"must be the {kind} as a non-empty string", INVALID_TYPE)]
+        size = len(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        return [FieldProblem(at, f"is {size:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are taken")]
+    return []
 
 
 def _check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:

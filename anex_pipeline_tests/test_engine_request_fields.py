@@ -184,3 +184,36 @@ def test_forced_tool_calls_are_generated_as_calls_that_validate(tmp_path: Path, 
     assert [c["function"]["name"] for c in got["named"]["choices"][0]["message"]["tool_calls"]] == ["get_time"]
     assert len(got["one"]["choices"][0]["message"]["tool_calls"]) == 1
     assert got["auto"]["choices"][0]["message"].get("tool_calls") is None  # no parser, nothing forced: text
+
+
+def test_structured_outputs_hold_the_answer_and_a_bad_grammar_fails_its_row_alone(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    colours = ["red", "green", "blue"]
+    rows = [
+        chat_row("choice", "Pick a colour.", max_tokens=8, temperature=0, structured_outputs={"choice": colours}),
+        chat_row("regex", "Give a year.", max_tokens=8, temperature=0, structured_outputs={"regex": "19[0-9]{2}"}),
+        chat_row("bad", "Hi.", max_tokens=8, temperature=0, structured_outputs={"grammar": "root ::= ("}),
+        completion_row("json", "A person:", max_tokens=40, temperature=0, structured_outputs={"json": SCHEMA}),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows[:3])
+    assert run_job(real_runner, src, tmp_path / "out.jsonl").status == "completed"
+    lines = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
+    assert lines["choice"]["response"]["body"]["choices"][0]["message"]["content"] in colours
+    year = lines["regex"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert len(year) == 4 and year.startswith("19") and year.isdigit()
+    bad = lines["bad"]
+    assert bad["response"]["status_code"] == 400 and bad["error"]["param"] == "structured_outputs", bad["error"]
+
+    src = write_jsonl(tmp_path / "completions.jsonl", rows[3:])
+    assert run_job(real_runner, src, tmp_path / "completions.out.jsonl").status == "completed"
+    text = bodies(tmp_path / "completions.out.jsonl")["json"]["choices"][0]["text"]
+    assert set(json.loads(text)) <= {"name", "age"}
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name"],
+    "additionalProperties": False,
+}

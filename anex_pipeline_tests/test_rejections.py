@@ -238,6 +238,52 @@ CASES = [
     case("stream-true", jsonl_bytes(GOOD, chat("r2", stream=True)), line=2, field="body.stream"),
     case("n-129", jsonl_bytes(GOOD, chat("r2", n=129)), line=2, field="body.n", says=("1 to 128",)),
     case("n-0", jsonl_bytes(GOOD, chat("r2", n=0)), line=2, field="body.n"),
+    # --- vLLM's structured outputs: one kind, bounded in size ------------------------------------
+    case(
+        "structured-two-kinds",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": ["a"], "regex": "a"})),
+        line=2,
+        field="body.structured_outputs",
+        says=("exactly one",),
+    ),
+    case(
+        "structured-unknown-kind",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"ebnf": "x"})),
+        line=2,
+        field="body.structured_outputs",
+        says=("ebnf",),
+    ),
+    case(
+        "structured-and-response-format",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"regex": "a"}, response_format={"type": "json_object"})),
+        line=2,
+        field="body.structured_outputs",
+    ),
+    case(
+        "structured-choice-empty",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": []})),
+        line=2,
+        field="body.structured_outputs.choice",
+    ),
+    case(
+        "structured-regex-huge",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"regex": "(a|b)*" * 3000})),
+        line=2,
+        field="body.structured_outputs.regex",
+        says=("16,384",),
+    ),
+    case(
+        "structured-grammar-not-text",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"grammar": 5})),
+        line=2,
+        field="body.structured_outputs.grammar",
+    ),
+    case(
+        "structured-choice-many",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": ["x"] * 1025})),
+        line=2,
+        field="body.structured_outputs.choice",
+    ),
     # --- forced tool calls: a function the row offers -------------------------------------------
     case(
         "tool-choice-unknown-function",

@@ -81,7 +81,7 @@ def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> 
     logprobs = {"logprobs": True, "top_logprobs": 4} if endpoint == CHAT else {"logprobs": 4}
     accepted = set(fields_of(endpoint))
     # every field is either shown here to reach the sampler, or says where else it acts
-    assert accepted <= set(SAMPLED) | APPLIED_ELSEWHERE | {"logprobs", "top_logprobs"}
+    assert accepted <= set(SAMPLED) | APPLIED_ELSEWHERE | {"logprobs", "top_logprobs", "structured_outputs"}
     for name in sorted(accepted & set(SAMPLED)):
         value, attribute, expected = SAMPLED[name]
         extra = {"temperature": 0.7} if name == "n" else {}
@@ -93,6 +93,9 @@ def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> 
     req = resolved(endpoint, **logprobs)
     assert engine._sampling_params(req, prompt_len=5).logprobs == 4
     assert {k: request_body(req, "m")[k] for k in logprobs} == logprobs
+    req = resolved(endpoint, structured_outputs={"choice": ["yes", "no"]})
+    assert engine._sampling_params(req, prompt_len=5).structured_outputs.choice == ["yes", "no"]
+    assert request_body(req, "m")["structured_outputs"] == {"choice": ["yes", "no"]}
 
 
 def test_chat_reasoning_effort_is_the_templates_argument_on_both_engines() -> None:

@@ -50,8 +50,15 @@ class EngineRequest:
     choices: int = 1  # the row's n: answers generated for its prompt
 
     @property
+    def constraint_field(self) -> str | None:
+        """The field whose constraint holds the row's generation, if any."""
+        if self.body.get("structured_outputs") is not None:
+            return "structured_outputs"
+        return "response_format" if self.response_format is not None else None
+
+    @property
     def constrained(self) -> bool:
-        return self.response_format is not None
+        return self.constraint_field is not None
 
 
 class Engine(Protocol):
@@ -93,6 +100,8 @@ def resolve_request(
     if cap_field is not None and row.respond is not None:
         cap_field = "max_output_tokens"  # the row's own name for it
     response_format = body.get("response_format", options.response_format)
+    if body.get("structured_outputs") is not None:  # the row's own constraint replaces the job's format
+        response_format = None
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
     kwargs = dict(body.get("chat_template_kwargs") or {})

@@ -336,6 +336,8 @@ class VllmLocalEngine:
         try:
             if forced is not None:  # a forced call wins over response_format, as in vLLM's server
                 kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
+            elif isinstance(req.body.get("structured_outputs"), dict):  # vLLM's own: checked at submit
+                kwargs["structured_outputs"] = StructuredOutputsParams(**req.body["structured_outputs"])
             elif rf is not None and rf["type"] == "json_object":
                 kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
             elif rf is not None:
@@ -435,7 +437,7 @@ class VllmLocalEngine:
     def _send(self, flight: _Flight, prompt: Any, params: Any, lane: Lane) -> None:
         """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
         engine (vLLM registers a request before it hands it to its engine process) and the error
-        is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
+        is raised; a constraint vLLM refuses on its own is blamed on the field that set it."""
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
@@ -448,9 +450,9 @@ class VllmLocalEngine:
                 if engine_gone(self.llm):
                     raise
                 engine.abort_request([request_id])
-                if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
-                    problem = f"response_format cannot be used: {one_line(exc)}"
-                    raise RequestProblem(problem, "response_format") from None
+                field = flight.req.constraint_field
+                if field and getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
+                    raise RequestProblem(f"{field} cannot be used: {one_line(exc)}", field) from None
                 raise
             self.lanes.own(lane, request_id, flight)
 
@@ -559,14 +561,15 @@ class VllmLocalEngine:
     def _completion_outcome(self, flight: _Flight, answers: list[Answer]) -> RowOutcome:
         """The row's response, one choice per answer (``n`` of them), in index order."""
         req = flight.req
-        if req.constrained and any(a.finish_reason == "error" for a in answers):
+        field = req.constraint_field
+        if field and any(a.finish_reason == "error" for a in answers):
             # vLLM ends a row this way when its grammar does not compile, or when the grammar
-            # allows no token at all (a schema that only refers to itself): the schema is at fault.
+            # allows no token at all (a schema that only refers to itself): the constraint is at fault.
             return rejected(
                 req,
-                "the model cannot follow response_format: its schema does not compile to a grammar, or the "
-                "grammar allows no output (e.g. a $ref that only refers to itself); fix the schema",
-                "response_format",
+                f"the model cannot follow {field}: it does not compile to a grammar, or the grammar allows "
+                "no output (e.g. a $ref that only refers to itself); fix it",
+                field,
             )
         abnormal = next((a.finish_reason for a in answers if a.finish_reason not in ("stop", "length")), None)
         if abnormal is not None:
