@@ -69,6 +69,8 @@ BODY_FIELDS: dict[str, BodyField] = {
     "include_stop_str_in_output": BodyField((bool,), sampling=True),
     "skip_special_tokens": BodyField((bool,), sampling=True),
     "logit_bias": BodyField((dict,), sampling=True),
+    "bad_words": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),  # vLLM's extras
+    "allowed_token_ids": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),
     # lengths, output shape and the envelope
     "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
     "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),

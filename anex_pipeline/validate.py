@@ -174,6 +174,10 @@ def check_body(body: Any, endpoint: Endpoint, model_names: frozenset[str]) -> li
         problems += _check_tool_choice(body)
     if isinstance(body.get("structured_outputs"), dict):
         problems += _check_structured_outputs(body)
+    for name, kind, words in (("bad_words", str, "strings"), ("allowed_token_ids", int, "token ids")):
+        items = body.get(name)
+        if isinstance(items, list) and not all(type(i) is kind and (kind is str or 0 <= i <= INT32_MAX) for i in items):
+            problems.append(FieldProblem(f"body.{name}", f"must be a list of {words}", INVALID_TYPE))
     effort = body.get("reasoning_effort")
     if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"

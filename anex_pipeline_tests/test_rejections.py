@@ -284,6 +284,13 @@ CASES = [
         line=2,
         field="body.structured_outputs.choice",
     ),
+    case("bad-words-not-strings", jsonl_bytes(GOOD, chat("r2", bad_words=[1])), line=2, field="body.bad_words"),
+    case(
+        "allowed-token-ids-negative",
+        jsonl_bytes(GOOD, chat("r2", allowed_token_ids=[-1])),
+        line=2,
+        field="body.allowed_token_ids",
+    ),
     # --- forced tool calls: a function the row offers -------------------------------------------
     case(
         "tool-choice-unknown-function",

@@ -36,6 +36,8 @@ SAMPLED: dict[str, tuple[Any, str, Any]] = {
     "include_stop_str_in_output": (True, "include_stop_str_in_output", True),
     "skip_special_tokens": (False, "skip_special_tokens", False),
     "logit_bias": ({"5": 1.0}, "logit_bias", {5: 1.0}),
+    "bad_words": (["zebra"], "bad_words", ["zebra"]),
+    "allowed_token_ids": ([5, 6, 7], "allowed_token_ids", [5, 6, 7]),
     "max_tokens": (9, "max_tokens", 9),
     "max_completion_tokens": (8, "max_tokens", 8),
     "n": (3, "n", 3),
