@@ -567,8 +567,8 @@ class VllmLocalEngine:
             # allows no token at all (a schema that only refers to itself): the constraint is at fault.
             return rejected(
                 req,
-                f"the model cannot follow {field}: it does not compile to a grammar, or the grammar allows "
-                "no output (e.g. a $ref that only refers to itself); fix it",
+                f"the model cannot follow {field}: its schema or grammar does not compile, or allows no "
+                "output (e.g. a $ref that only refers to itself); fix it",
                 field,
             )
         abnormal = next((a.finish_reason for a in answers if a.finish_reason not in ("stop", "length")), None)
