@@ -69,6 +69,8 @@ BODY_FIELDS: dict[str, BodyField] = {
     "include_stop_str_in_output": BodyField((bool,), sampling=True),
     "skip_special_tokens": BodyField((bool,), sampling=True),
     "logit_bias": BodyField((dict,), sampling=True),
+    "bad_words": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),  # vLLM's extras
+    "allowed_token_ids": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),
     # lengths, output shape and the envelope
     "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
     "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
@@ -76,11 +78,12 @@ BODY_FIELDS: dict[str, BodyField] = {
     "thinking_token_budget": BodyField((int,)),
     "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
     "text": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its format is chat's response_format
-    "n": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
+    "n": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "structured_outputs": BodyField((dict,), CHAT_AND_COMPLETIONS),  # vLLM's: choice, regex, grammar or json
     "stream": BodyField((bool,)),
     "stream_options": BodyField((dict,), CHAT_AND_COMPLETIONS),
     "logprobs": BodyField((bool, int), CHAT_AND_COMPLETIONS),
-    "top_logprobs": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "top_logprobs": BodyField((int,), frozenset({CHAT})),
     "user": BodyField((str,), ALL),
     "metadata": BodyField((dict,)),
     "store": BodyField((bool,)),

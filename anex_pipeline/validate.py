@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from anex_pipeline.media.refs import part_reference, reference_problem
-from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
+from anex_pipeline.request_fields import CAP_FIELDS, NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
     INVALID_TYPE,
@@ -49,6 +49,13 @@ KIND_WORDS = {
 }
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine takes a seed as a signed 64-bit integer
 INT32_MAX = 2**31 - 1
+# The most alternatives a token's logprobs may list: OpenAI's limit for chat, and vLLM's default
+# max_logprobs, above which the engine would refuse the row.
+MAX_LOGPROBS = 20
+# The most choices a row may ask for (``n``), and the most tokens its choices may ask for together
+# (``n`` x its own max_tokens): a row is one request to the engine, whose batch it would fill.
+MAX_CHOICES = 128
+MAX_ROW_TOKENS = 2**20
 # Integer request fields and job options with the values the engine can take: (lowest, highest).
 INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
@@ -60,6 +67,9 @@ INTEGER_RANGES = {
     "reasoning_budget": (0, INT32_MAX),
     "truncate_prompt_tokens": (-1, INT32_MAX),
     "dimensions": (1, INT32_MAX),
+    "n": (1, MAX_CHOICES),
+    "top_logprobs": (0, MAX_LOGPROBS),
+    "logprobs": (0, MAX_LOGPROBS),  # completions' count; chat's is true or false
 }
 LOGIT_BIAS_LIMIT = 100.0
 MAX_PROMPTS = 2048  # OpenAI's limit of inputs in one embeddings request; completions prompts too
@@ -163,26 +173,138 @@ def check_body(
     if body.get("stream"):
         problems.append(FieldProblem("body.stream", "streaming is not available in a batch job; remove it"))
     problems += check_numbers(body, "body.")
-    if body.get("logprobs") not in (None, False):
-        problems.append(
-            FieldProblem("body.logprobs", "logprobs are not supported yet; remove logprobs and top_logprobs")
-        )
-    elif body.get("top_logprobs") is not None:
-        problems.append(
-            FieldProblem(
-                "body.top_logprobs", "logprobs are not supported yet (and need logprobs: true); remove top_logprobs"
-            )
-        )
     problems += _check_fields(body, endpoint)
-    n = body.get("n", 1)
-    if n != 1:
-        problems.append(FieldProblem("body.n", f"only one choice per row is produced; got n={json.dumps(n)}"))
+    problems += _check_logprobs(body, endpoint)
+    problems += _check_choices(body)
+    if endpoint == "chat":
+        problems += _check_tool_choice(body)
+    if isinstance(body.get("structured_outputs"), dict):
+        problems += _check_structured_outputs(body)
+    for name, kind, words in (("bad_words", str, "strings"), ("allowed_token_ids", int, "token ids")):
+        items = body.get(name)
+        if isinstance(items, list) and not all(type(i) is kind and (kind is str or 0 <= i <= INT32_MAX) for i in items):
+            problems.append(FieldProblem(f"body.{name}", f"must be a list of {words}", INVALID_TYPE))
+    effort = body.get("reasoning_effort")
+    if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
+        message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
+        problems.append(FieldProblem("body.reasoning_effort", message))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+# vLLM's structured outputs a row may ask for, and their size bounds: a constraint is compiled
+# for its row alone, so its size bounds the compile's time and memory.
+STRUCTURED_OUTPUTS = ("choice", "regex", "grammar", "json")
+MAX_CHOICE_ITEMS = 1024
+MAX_CONSTRAINT_CHARS = 16 * 1024  # a regex, a grammar, a choice, or a schema written as JSON
+
+
+def _check_structured_outputs(body: dict[str, Any]) -> list[FieldProblem]:
+    """One of vLLM's structured outputs, of the right kind and within its size bound."""
+    where = "body.structured_outputs"
+    spec = body["structured_outputs"]
+    if body.get("response_format") is not None:
+        return [FieldProblem(where, "and response_format both constrain the answer; keep one of them")]
+    kinds = [k for k in STRUCTURED_OUTPUTS if spec.get(k) is not None]
+    others = sorted(set(spec) - set(STRUCTURED_OUTPUTS))
+    if others or len(kinds) != 1:
+        found = f"; {', '.join(others)} {'is' if len(others) == 1 else 'are'} not taken" if others else ""
+        return [FieldProblem(where, f"must hold exactly one of {', '.join(STRUCTURED_OUTPUTS)}{found}")]
+    kind, value = kinds[0], spec[kinds[0]]
+    at = f"{where}.{kind}"
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            return [FieldProblem(at, "must be a non-empty list of non-empty strings", INVALID_TYPE)]
+        if len(value) > MAX_CHOICE_ITEMS:
+            return [FieldProblem(at, f"holds {len(value)} choices; at most {MAX_CHOICE_ITEMS} are taken")]
+        size = sum(len(v) for v in value)
+    elif kind == "json":
+        if not isinstance(value, (dict, str)):
+            return [FieldProblem(at, "must be a JSON Schema object (or its JSON text)", INVALID_TYPE)]
+        size = len(value if isinstance(value, str) else json.dumps(value))
+    else:
+        if not isinstance(value, str) or not value:
+            return [FieldProblem(at, f"must be the {kind} as a non-empty string", INVALID_TYPE)]
+        size = len(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        return [FieldProblem(at, f"is {size:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are taken")]
+    return []
+
+
+def _check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:
+    """A tool_choice generation can be held to: one of the words, or a function the row offers."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    where = "body.tool_choice"
+    if choice is None or choice in ("none", "auto"):
+        return []
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        return [
+            FieldProblem(where, f"must be one of {', '.join(TOOL_CHOICES)} or a function; got {json.dumps(choice)}")
+        ]
+    names = [
+        t["function"].get("name") for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
+    if not names:
+        return [
+            FieldProblem(where, "forces a tool call but the row offers no function in tools; add tools or remove it")
+        ]
+    if choice == "required":
+        return []
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        message = 'must name a function like {"type": "function", "function": {"name": "get_weather"}}'
+        return [FieldProblem(where, message)]
+    if name not in names:
+        return [
+            FieldProblem(
+                f"{where}.function.name", f"is {json.dumps(name)}, which is not in tools ({', '.join(map(str, names))})"
+            )
+        ]
+    return []
+
+
+def _check_choices(body: dict[str, Any]) -> list[FieldProblem]:
+    """``n`` above 1 with sampling that can differ, and times the row's own cap within the row's
+    token budget (n's own range is :func:`check_numbers`')."""
+    n = body.get("n")
+    if type(n) is not int or not 1 < n <= MAX_CHOICES:
+        return []
+    if body.get("temperature") == 0:  # vLLM refuses it: greedy choices would all be the same
+        return [
+            FieldProblem(
+                "body.n", f"is {n} but temperature is 0, which gives one answer; set n to 1 or raise temperature"
+            )
+        ]
+    cap = next((body[name] for name in CAP_FIELDS if body.get(name) is not None), None)
+    if type(cap) is not int or n * cap <= MAX_ROW_TOKENS:
+        return []
+    message = (
+        f"asks for {n} choices of up to {cap} tokens, {n * cap:,} in all; a row may ask for at most "
+        f"{MAX_ROW_TOKENS:,} (n x max_tokens): lower n or max_tokens"
+    )
+    return [FieldProblem("body.n", message)]
+
+
+def _check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:
+    """Chat asks for logprobs with ``logprobs: true`` and ``top_logprobs`` alternatives (which
+    need it), completions with ``logprobs: k``; the counts' range is :func:`check_numbers`'."""
+    logprobs = body.get("logprobs")
+    if endpoint == "chat":
+        if logprobs is not None and type(logprobs) is not bool:
+            message = f"must be true or false in a chat request (top_logprobs sets the count), got {_kind(logprobs)}"
+            return [FieldProblem("body.logprobs", message, INVALID_TYPE)]
+        if body.get("top_logprobs") is not None and logprobs is not True:
+            return [FieldProblem("body.top_logprobs", "needs logprobs: true; set it or remove top_logprobs")]
+    elif endpoint == "completions" and type(logprobs) is bool:
+        message = f"must be the number of alternatives per token (0 to {MAX_LOGPROBS}) in a completions request"
+        return [FieldProblem("body.logprobs", message, INVALID_TYPE)]
+    return []
 
 
 def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:

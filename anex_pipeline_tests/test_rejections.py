@@ -292,7 +292,125 @@ CASES = [
     ),
     case("model-not-a-string", jsonl_bytes(GOOD, chat("r2", model=["gpt-4o"])), line=2, field="body.model"),
     case("stream-true", jsonl_bytes(GOOD, chat("r2", stream=True)), line=2, field="body.stream"),
-    case("n-2", jsonl_bytes(GOOD, chat("r2", n=2)), line=2, field="body.n"),
+    case("n-129", jsonl_bytes(GOOD, chat("r2", n=129)), line=2, field="body.n", says=("1 to 128",)),
+    case("n-0", jsonl_bytes(GOOD, chat("r2", n=0)), line=2, field="body.n"),
+    # --- vLLM's structured outputs: one kind, bounded in size ------------------------------------
+    case(
+        "structured-two-kinds",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": ["a"], "regex": "a"})),
+        line=2,
+        field="body.structured_outputs",
+        says=("exactly one",),
+    ),
+    case(
+        "structured-unknown-kind",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"ebnf": "x"})),
+        line=2,
+        field="body.structured_outputs",
+        says=("ebnf",),
+    ),
+    case(
+        "structured-and-response-format",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"regex": "a"}, response_format={"type": "json_object"})),
+        line=2,
+        field="body.structured_outputs",
+    ),
+    case(
+        "structured-choice-empty",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": []})),
+        line=2,
+        field="body.structured_outputs.choice",
+    ),
+    case(
+        "structured-regex-huge",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"regex": "(a|b)*" * 3000})),
+        line=2,
+        field="body.structured_outputs.regex",
+        says=("16,384",),
+    ),
+    case(
+        "structured-grammar-not-text",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"grammar": 5})),
+        line=2,
+        field="body.structured_outputs.grammar",
+    ),
+    case(
+        "structured-choice-many",
+        jsonl_bytes(GOOD, chat("r2", structured_outputs={"choice": ["x"] * 1025})),
+        line=2,
+        field="body.structured_outputs.choice",
+    ),
+    case("bad-words-not-strings", jsonl_bytes(GOOD, chat("r2", bad_words=[1])), line=2, field="body.bad_words"),
+    case(
+        "allowed-token-ids-negative",
+        jsonl_bytes(GOOD, chat("r2", allowed_token_ids=[-1])),
+        line=2,
+        field="body.allowed_token_ids",
+    ),
+    # --- forced tool calls: a function the row offers -------------------------------------------
+    case(
+        "tool-choice-unknown-function",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+            ),
+        ),
+        line=2,
+        field="body.tool_choice.function.name",
+        says=("get_weather",),
+    ),
+    case(
+        "tool-choice-required-without-tools",
+        jsonl_bytes(GOOD, chat("r2", tool_choice="required")),
+        line=2,
+        field="body.tool_choice",
+        says=("no function",),
+    ),
+    case(
+        "tool-choice-word",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice="always",
+            ),
+        ),
+        line=2,
+        field="body.tool_choice",
+        says=("required",),
+    ),
+    case(
+        "tool-choice-shape",
+        jsonl_bytes(
+            GOOD,
+            chat(
+                "r2",
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                tool_choice={"name": "get_weather"},
+            ),
+        ),
+        line=2,
+        field="body.tool_choice",
+    ),
+    case("n-greedy", jsonl_bytes(GOOD, chat("r2", n=2, temperature=0)), line=2, field="body.n", says=("temperature",)),
+    case("n-a-string", jsonl_bytes(GOOD, chat("r2", n="3")), line=2, field="body.n"),
+    case(
+        "n-times-max-tokens",
+        jsonl_bytes(GOOD, chat("r2", n=128, max_tokens=8193)),
+        line=2,
+        field="body.n",
+        says=("1,048,576", "n x max_tokens"),
+    ),
+    case(
+        "responses-n",
+        jsonl_bytes({"custom_id": "r1", "url": "/v1/responses", "body": {"input": "hi", "n": 2}}),
+        line=1,
+        field="body.n",
+    ),
     case(
         "row-response-format-xml",
         jsonl_bytes(GOOD, chat("r2", response_format={"type": "xml"})),
@@ -362,21 +480,53 @@ CASES = [
         line=2,
         field="body.logit_bias.42",
     ),
-    # --- logprobs -------------------------------------------------------------------------------
-    case("logprobs-true", jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=3)), line=2, field="body.logprobs"),
+    # --- logprobs: the counts' bounds and the shape each endpoint asks in ------------------------
+    case(
+        "top-logprobs-21",
+        jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=21)),
+        line=2,
+        field="body.top_logprobs",
+        says=("0 to 20",),
+    ),
+    case(
+        "top-logprobs-negative",
+        jsonl_bytes(GOOD, chat("r2", logprobs=True, top_logprobs=-1)),
+        line=2,
+        field="body.top_logprobs",
+    ),
     case(
         "top-logprobs-without-logprobs",
         jsonl_bytes(GOOD, chat("r2", top_logprobs=3)),
         line=2,
         field="body.top_logprobs",
-        says=("not supported",),
+        says=("needs logprobs: true",),
     ),
     case(
-        "completions-logprobs-count",
-        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=3)),
+        "chat-logprobs-count",
+        jsonl_bytes(GOOD, chat("r2", logprobs=3)),
         line=2,
         field="body.logprobs",
-        says=("not supported",),
+        says=("true or false",),
+    ),
+    case(
+        "completions-logprobs-21",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=21)),
+        line=2,
+        field="body.logprobs",
+        says=("0 to 20",),
+    ),
+    case(
+        "completions-logprobs-true",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=True)),
+        line=2,
+        field="body.logprobs",
+        says=("number of alternatives",),
+    ),
+    case(
+        "completions-top-logprobs",
+        jsonl_bytes(completion("r1", prompt="a"), completion("r2", prompt="b", logprobs=2, top_logprobs=2)),
+        line=2,
+        field="body.top_logprobs",
     ),
     # --- media URLs that can never be fetched ----------------------------------------------------
     case(
@@ -814,6 +964,7 @@ def exactly(limit: int) -> bytes:
 
 GOOD_CASES = [
     case("chat", jsonl_bytes(GOOD, chat("r2", max_tokens=5, n=1, stream=False))),
+    case("n-at-its-limits", jsonl_bytes(chat("a", n=128, max_tokens=8192), chat("b", n=3))),
     case("chat-without-method-and-url", jsonl_bytes({"custom_id": "a", "body": {"messages": MESSAGES}})),
     case("crlf-and-blank-lines", b"\r\n" + jsonl_bytes(GOOD).replace(b"\n", b"\r\n\r\n") + b"  \n"),
     case(
@@ -823,6 +974,14 @@ GOOD_CASES = [
     case("nan-inside-a-string", jsonl_bytes(chat("a", messages=[{"role": "user", "content": "NaN"}]))),
     case("line-exactly-at-the-limit", jsonl_bytes(GOOD, exactly(1024)), max_line_bytes=1024),
     case("completions", jsonl_bytes(completion("a", prompt="Once"), completion("b", prompt="upon"))),
+    case(
+        "logprobs-at-their-limits",
+        jsonl_bytes(chat("a", logprobs=True, top_logprobs=20), chat("b", logprobs=True), chat("c", logprobs=False)),
+    ),
+    case(
+        "completions-logprobs",
+        jsonl_bytes(completion("a", prompt="x", logprobs=0), completion("b", prompt="y", logprobs=20)),
+    ),
     case("embeddings", jsonl_bytes(embedding("a", input="x"), embedding("b", input=["y"]))),
     case("parquet-prompt-and-id", parquet_writer({"id": [3, 1], "prompt": ["a", "b"]}), name="in.parquet"),
     case("parquet-messages", parquet_writer({"messages": [[{"role": "user", "content": "hi"}]]}), name="in.parquet"),

@@ -46,10 +46,20 @@ class EngineRequest:
     respond: dict[str, Any] | None = None
     # The rendered prompt's tokens, when an engine made them ahead of sending (to order rows).
     prompt_ids: array[int] | None = None
+    # Logprobs for every generated token, with this many alternatives each; None: no logprobs.
+    logprobs: int | None = None
+    choices: int = 1  # the row's n: answers generated for its prompt
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field whose constraint holds the row's generation, if any."""
+        if self.body.get("structured_outputs") is not None:
+            return "structured_outputs"
+        return "response_format" if self.response_format is not None else None
 
     @property
     def constrained(self) -> bool:
-        return self.response_format is not None
+        return self.constraint_field is not None
 
 
 class Engine(Protocol):
@@ -91,11 +101,17 @@ def resolve_request(
     if cap_field is not None and row.respond is not None:
         cap_field = "max_output_tokens"  # the row's own name for it
     response_format = body.get("response_format", options.response_format)
+    if body.get("structured_outputs") is not None:  # the row's own constraint replaces the job's format
+        response_format = None
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
     kwargs = dict(body.get("chat_template_kwargs") or {})
     if options.reasoning is not None:
         kwargs.setdefault("enable_thinking", options.reasoning)
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # as vLLM's server renders it: the template's argument, thinking on unless "none"
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
     digest = hashlib.sha256(f"{job_id}\0{row.key}".encode()).hexdigest()[:24]
     return EngineRequest(
         index=row.index,
@@ -112,7 +128,20 @@ def resolve_request(
         parse_thinking=options.parse_thinking is not False,
         parse_tool_calls=options.parse_tool_calls is not False,
         respond=row.respond,
+        logprobs=logprobs_asked(endpoint, body),
+        choices=body.get("n") or 1,
     )
+
+
+def logprobs_asked(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+    """How many alternatives each generated token's logprobs list, or None when the row asks for
+    none: chat asks with ``logprobs: true`` and ``top_logprobs``, completions with ``logprobs: k``."""
+    if endpoint == "chat":
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+    if endpoint == "completions":
+        wanted = body.get("logprobs")
+        return wanted if type(wanted) is int else None
+    return None
 
 
 def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopCheck | None = None) -> list[RowOutcome]:

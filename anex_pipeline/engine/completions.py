@@ -26,19 +26,24 @@ class Generated:
     reasoning: str | None = None
     reasoning_tokens: int = 0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # The choice's logprobs in its endpoint's shape (chat's ``content`` list, completions' four lists).
+    logprobs: dict[str, Any] | None = None
 
 
-def usage(g: Generated) -> dict[str, Any]:
+def usage(*choices: Generated) -> dict[str, Any]:
+    """A row's usage: its prompt once, the tokens of every choice summed (as OpenAI counts ``n``)."""
+    first = choices[0]
+    completion = sum(g.completion_tokens for g in choices)
     return {
-        "prompt_tokens": g.prompt_tokens,
-        "completion_tokens": g.completion_tokens,
-        "total_tokens": g.prompt_tokens + g.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": g.reasoning_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(g.reasoning_tokens for g in choices)},
     }
 
 
-def chat_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]:
+def _chat_choice(index: int, g: Generated) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": g.text}
     if g.reasoning is not None:
         message["reasoning_content"] = g.reasoning
@@ -47,25 +52,34 @@ def chat_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]
         message["tool_calls"] = g.tool_calls
         if finish == "stop":
             finish = "tool_calls"
+    return {"index": index, "message": message, "logprobs": g.logprobs, "finish_reason": finish}
+
+
+def chat_completion(request_id: str, model: str, *choices: Generated) -> dict[str, Any]:
+    """A chat completion with one choice per generation, indexed in order."""
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-        "usage": usage(g),
+        "choices": [_chat_choice(i, g) for i, g in enumerate(choices)],
+        "usage": usage(*choices),
         "system_fingerprint": None,
     }
 
 
-def text_completion(request_id: str, model: str, g: Generated) -> dict[str, Any]:
+def text_completion(request_id: str, model: str, *choices: Generated) -> dict[str, Any]:
+    """A text completion with one choice per generation, indexed in order."""
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}],
-        "usage": usage(g),
+        "choices": [
+            {"index": i, "text": g.text, "logprobs": g.logprobs, "finish_reason": g.finish_reason}
+            for i, g in enumerate(choices)
+        ],
+        "usage": usage(*choices),
         "system_fingerprint": None,
     }
 
@@ -109,7 +123,7 @@ def one_prompt(prompt: str | list[Any]) -> str | list[int]:
     return prompt
 
 
-def body_for(endpoint: str, request_id: str, model: str, g: Generated) -> dict[str, Any]:
+def body_for(endpoint: str, request_id: str, model: str, *choices: Generated) -> dict[str, Any]:
     if endpoint == "completions":
-        return text_completion(request_id, model, g)
-    return chat_completion(request_id, model, g)
+        return text_completion(request_id, model, *choices)
+    return chat_completion(request_id, model, *choices)

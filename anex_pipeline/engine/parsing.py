@@ -325,32 +325,75 @@ class OutputParser:
         ``thinking`` / ``tools`` turn each half on; tool calls are looked for only when the row
         offers ``tools``. With both off, or for a model without parsers, ``text`` comes back whole.
         """
+        forced = forced_tool_schema(body) is not None
         reasoning = self.names.reasoning if thinking else None
-        tool = self.names.tool if tools and body.get("tools") else None
+        tool = self.names.tool if tools and body.get("tools") and not forced else None
         if reasoning is None and tool is None:
-            return Parsed(content=text)
-        request = _chat_request(body, chat_template_kwargs, tool is not None)
-        parser = self._composed(reasoning, tool)(
-            self.tokenizer, request.tools, chat_template_kwargs=dict(chat_template_kwargs)
-        )
-        parser.set_prompt_token_ids(list(prompt_ids))
-        request = parser.adjust_request(request)
-        found_reasoning, content, calls = parser.parse(
-            text, request, enable_auto_tools=tool is not None, model_output_token_ids=list(output_ids)
-        )
-        return Parsed(content=content, reasoning=found_reasoning, tool_calls=[_openai_call(c) for c in calls or []])
+            parsed = Parsed(content=text)
+        else:
+            request = _chat_request(body, chat_template_kwargs, tool is not None)
+            parser = self._composed(reasoning, tool)(
+                self.tokenizer, request.tools, chat_template_kwargs=dict(chat_template_kwargs)
+            )
+            parser.set_prompt_token_ids(list(prompt_ids))
+            request = parser.adjust_request(request)
+            found_reasoning, content, calls = parser.parse(
+                text, request, enable_auto_tools=tool is not None, model_output_token_ids=list(output_ids)
+            )
+            parsed = Parsed(content, found_reasoning, [_openai_call(c) for c in calls or []])
+        if forced:  # the answer is the forced call's JSON, whatever the model's own tool format
+            parsed.tool_calls, parsed.content = forced_calls(parsed.content, body), None
+        if body.get("parallel_tool_calls") is False:  # as vLLM's server: the first call only
+            parsed.tool_calls = parsed.tool_calls[:1]
+        return parsed
 
 
-def _chat_request(body: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any], with_tools: bool) -> Any:
-    """The vLLM request object the parsers read (tools, tool_choice, template arguments)."""
+def forced_tool_schema(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema generation is held to when a chat row forces a tool call, built by vLLM's
+    server code: the named function's parameters, or for ``"required"`` a list of calls to the
+    row's functions (at most one when ``parallel_tool_calls`` is false). None when none is forced."""
+    choice = body.get("tool_choice")
+    if not body.get("tools") or not (choice == "required" or isinstance(choice, dict)):
+        return None
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    request = _chat_request(body, {}, with_tools=True, forced=True)
+    schema = get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
+    return schema if isinstance(schema, dict) else json.loads(schema)
+
+
+def forced_calls(content: str | None, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The calls in an answer generated under :func:`forced_tool_schema`, read as vLLM's parsers
+    read them: a named function's arguments, or a list of ``{"name", "parameters"}`` objects."""
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.entrypoints.generate.base.protocol import FunctionCall, FunctionDefinition
+
+    text = (content or "").strip()
+    choice = body["tool_choice"]
+    if isinstance(choice, dict):
+        return [_openai_call(FunctionCall(name=choice["function"]["name"], arguments=text))] if text else []
+    try:
+        defined = TypeAdapter(list[FunctionDefinition]).validate_json(text)
+    except ValidationError:  # cut at the cap: no whole call
+        return []
+    return [_openai_call(FunctionCall(name=d.name, arguments=json.dumps(d.parameters or {}))) for d in defined]
+
+
+def _chat_request(
+    body: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any], with_tools: bool, forced: bool = False
+) -> Any:
+    """The vLLM request object the parsers read (tools, tool_choice, template arguments); with
+    ``forced``, the row's own tool_choice and parallel_tool_calls."""
     from pydantic import ValidationError
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     fields: dict[str, Any] = {"model": "batch", "chat_template_kwargs": dict(chat_template_kwargs)}
     if with_tools:
         choice = body.get("tool_choice")
-        # Generation is not constrained to a forced call here, so calls are read as with "auto".
-        fields.update(tools=body["tools"], tool_choice="none" if choice == "none" else "auto")
+        if forced:
+            fields.update(tools=body["tools"], tool_choice=choice, parallel_tool_calls=body.get("parallel_tool_calls"))
+        else:  # the model's own tool format, read as with "auto"
+            fields.update(tools=body["tools"], tool_choice="none" if choice == "none" else "auto")
     try:
         return ChatCompletionRequest(messages=body.get("messages") or [], **fields)
     except ValidationError:  # a message shape vLLM's protocol does not take: the parsers need no history

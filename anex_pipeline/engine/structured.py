@@ -51,16 +51,25 @@ def _validator(schema_json: str) -> Any:
 
 def mark_completion(outcome: RowOutcome, response_format: dict[str, Any] | None, endpoint: str) -> RowOutcome:
     """Sets the outcome's flags: ``length`` for an answer cut at the cap, ``format_error`` for one
-    that fails its response_format (a cut constrained answer is both, and marked ``length``)."""
+    that fails its response_format (a cut constrained answer is both, and marked ``length``). With
+    several choices (``n``), one choice cut or failing flags the row."""
     if outcome.body is None or outcome.error is not None or endpoint == "embeddings":
         return outcome
-    choice = outcome.body["choices"][0]
-    cut = choice.get("finish_reason") == "length"
-    if response_format is not None and not (choice.get("message") or {}).get("tool_calls"):
-        text = choice.get("text") if endpoint == "completions" else choice["message"].get("content")
-        outcome.format_error = cut or answer_problem(text, response_format) is not None
+    choices = outcome.body["choices"]
+    cut = any(choice.get("finish_reason") == "length" for choice in choices)
+    if response_format is not None:
+        outcome.format_error = any(_fails(choice, response_format, endpoint) for choice in choices)
     if cut:
         outcome.completion_flag = RowErrorType.LENGTH
     elif outcome.format_error:
         outcome.completion_flag = RowErrorType.FORMAT
     return outcome
+
+
+def _fails(choice: dict[str, Any], response_format: dict[str, Any], endpoint: str) -> bool:
+    """Whether one choice misses its response_format: cut at the cap, or not a valid answer (a
+    choice that called tools is judged by its calls, not its text)."""
+    if (choice.get("message") or {}).get("tool_calls"):
+        return False
+    text = choice.get("text") if endpoint == "completions" else choice["message"].get("content")
+    return choice.get("finish_reason") == "length" or answer_problem(text, response_format) is not None

@@ -12,6 +12,8 @@ a trace only by the whole forced text, so with a notice in it a trace that ends 
 prompt that switched thinking off) would be taken as still thinking and get the notice forced
 into its answer. Instead, a row whose trace was cut is continued from its trace, the notice and
 the end tag, so the model reads the notice and answers after it (its first answer is discarded).
+A row asking for several choices (``n``) is not continued: vLLM's budget closes each trace with the
+end tag alone.
 
 Chat answers are decoded with special tokens kept and split into answer, reasoning and tool calls
 by :mod:`anex_pipeline.engine.parsing`.
@@ -46,6 +48,7 @@ from anex_pipeline.engine.base import (
 )
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
+from anex_pipeline.engine.openai_http import row_usage
 from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -54,6 +57,7 @@ from anex_pipeline.engine.parsing import (
     ThinkingTags,
     budget_cut,
     count_thinking_tokens,
+    forced_tool_schema,
     thinking_tags,
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
@@ -116,6 +120,7 @@ class _Flight:
     cached_tokens: int = 0
     head: list[int] | None = None
     head_text: str = ""
+    head_logprobs: list[Any] | None = None  # the head's, when the row asked for logprobs
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Answer:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[Any] | None = None  # per token: vLLM's alternatives by token id (None: forced)
 
 
 class RequestProblem(AnexError):
@@ -321,9 +327,18 @@ class VllmLocalEngine:
             kwargs.setdefault("skip_special_tokens", False)
         if self.thinking is not None and req.reasoning_budget:
             kwargs["thinking_token_budget"] = req.reasoning_budget
+        if req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
+        if req.choices > 1:
+            kwargs["n"] = req.choices
         rf = req.response_format
+        forced = forced_tool_schema(req.body) if req.endpoint == "chat" else None
         try:
-            if rf is not None and rf["type"] == "json_object":
+            if forced is not None:  # a forced call wins over response_format, as in vLLM's server
+                kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
+            elif isinstance(req.body.get("structured_outputs"), dict):  # vLLM's own: checked at submit
+                kwargs["structured_outputs"] = StructuredOutputsParams(**req.body["structured_outputs"])
+            elif rf is not None and rf["type"] == "json_object":
                 kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
             elif rf is not None:
                 kwargs["structured_outputs"] = StructuredOutputsParams(json=rf["json_schema"]["schema"])
@@ -422,7 +437,7 @@ class VllmLocalEngine:
     def _send(self, flight: _Flight, prompt: Any, params: Any, lane: Lane) -> None:
         """Adds one generation to the engine. If vLLM fails to take it, nothing of it stays in the
         engine (vLLM registers a request before it hands it to its engine process) and the error
-        is raised; a constraint vLLM refuses on its own is blamed on the row's response_format."""
+        is raised; a constraint vLLM refuses on its own is blamed on the field that set it."""
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
@@ -435,9 +450,9 @@ class VllmLocalEngine:
                 if engine_gone(self.llm):
                     raise
                 engine.abort_request([request_id])
-                if getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
-                    problem = f"response_format cannot be used: {one_line(exc)}"
-                    raise RequestProblem(problem, "response_format") from None
+                field = flight.req.constraint_field
+                if field and getattr(exc, "parameter", None) is None and not self._constraint_usable(params):
+                    raise RequestProblem(f"{field} cannot be used: {one_line(exc)}", field) from None
                 raise
             self.lanes.own(lane, request_id, flight)
 
@@ -457,19 +472,25 @@ class VllmLocalEngine:
 
     def _land(self, flight: _Flight, res: Any, lane: Lane, done: list[RowOutcome]) -> None:
         """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
-        out = res.outputs[0]
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
-            answer = Answer(list(out.token_ids), out.text, out.finish_reason)
-            try:
-                if self._continue_after_notice(flight, answer, lane):
+            answers = [
+                Answer(list(o.token_ids), o.text, o.finish_reason, None if o.logprobs is None else list(o.logprobs))
+                for o in sorted(res.outputs, key=lambda o: o.index)
+            ]
+            try:  # only a single choice is continued after the notice (see the module docstring)
+                if len(answers) == 1 and self._continue_after_notice(flight, answers[0], lane):
                     return
             except Exception as exc:  # the continuation could not be added
                 done.append(self._refused(flight.req, exc))
                 return
         else:
-            answer = Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason)
-        done.append(self._completion_outcome(flight, answer))
+            out = res.outputs[0]
+            logprobs = None if flight.head_logprobs is None else flight.head_logprobs + list(out.logprobs or ())
+            answers = [
+                Answer(flight.head + list(out.token_ids), flight.head_text + out.text, out.finish_reason, logprobs)
+            ]
+        done.append(self._completion_outcome(flight, answers))
 
     def _continue_after_notice(self, flight: _Flight, answer: Answer, lane: Lane) -> bool:
         """A row whose trace the budget cut: the notice goes before the end tag and the answer is
@@ -483,10 +504,13 @@ class VllmLocalEngine:
         head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
         flight.head = head
         flight.head_text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
+        if answer.logprobs is not None:  # the forced notice and end tag were never sampled
+            flight.head_logprobs = (answer.logprobs[:cut] + [None] * len(t.notice + t.closing))[: len(head)]
         left = params.max_tokens - len(head)
         if left < 1:
             flight.head = None
             answer.token_ids, answer.text, answer.finish_reason = head, flight.head_text, "length"
+            answer.logprobs = flight.head_logprobs
             return False
         follow = params.clone()
         follow.max_tokens, follow.thinking_token_budget = left, None
@@ -553,23 +577,33 @@ class VllmLocalEngine:
             for req, inputs in ready
         ]
 
-    def _completion_outcome(self, flight: _Flight, answer: Answer) -> RowOutcome:
+    def _completion_outcome(self, flight: _Flight, answers: list[Answer]) -> RowOutcome:
+        """The row's response, one choice per answer (``n`` of them), in index order."""
         req = flight.req
-        if answer.finish_reason == "error" and req.constrained:
+        field = req.constraint_field
+        if field and any(a.finish_reason == "error" for a in answers):
             # vLLM ends a row this way when its grammar does not compile, or when the grammar
-            # allows no token at all (a schema that only refers to itself): the schema is at fault.
+            # allows no token at all (a schema that only refers to itself): the constraint is at fault.
             return rejected(
                 req,
-                "the model cannot follow response_format: its schema does not compile to a grammar, or the "
-                "grammar allows no output (e.g. a $ref that only refers to itself); fix the schema",
-                "response_format",
+                f"the model cannot follow {field}: its schema or grammar does not compile, or allows no "
+                "output (e.g. a $ref that only refers to itself); fix it",
+                field,
             )
-        if answer.finish_reason not in ("stop", "length"):
-            return engine_failure(req, f"generation ended abnormally ({answer.finish_reason})")
+        abnormal = next((a.finish_reason for a in answers if a.finish_reason not in ("stop", "length")), None)
+        if abnormal is not None:
+            return engine_failure(req, f"generation ended abnormally ({abnormal})")
+        choices = [self._generated(flight, answer) for answer in answers]
+        body = body_for(req.endpoint, req.request_id, self.model_name, *choices)
+        usage = row_usage(body["usage"], req.endpoint)
+        return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=usage)
+
+    def _generated(self, flight: _Flight, answer: Answer) -> Generated:
+        req = flight.req
         parsed = self._parsed(req, answer.text, answer.token_ids, flight.prompt_ids)
         t = self.thinking
         thinking = count_thinking_tokens(flight.prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
-        g = Generated(
+        return Generated(
             text=parsed.content,
             finish_reason=answer.finish_reason,
             prompt_tokens=len(flight.prompt_ids),
@@ -578,9 +612,32 @@ class VllmLocalEngine:
             reasoning=parsed.reasoning,
             reasoning_tokens=thinking,
             tool_calls=parsed.tool_calls,
+            logprobs=self._logprobs_object(req, answer),
         )
-        body = body_for(req.endpoint, req.request_id, self.model_name, g)
-        return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=_usage(g))
+
+    def _logprobs_object(self, req: EngineRequest, answer: Answer) -> dict[str, Any] | None:
+        """The answer's logprobs in its endpoint's shape, or None when the row asked for none.
+
+        They cover every generated token, a thinking trace and tool-call text included, as
+        vLLM's server gives them (a token the thinking budget forced has no logprob). vLLM's own
+        server code shapes them, on instances without server state: these two methods read
+        nothing of it but whether to show tokens as ids.
+        """
+        if req.logprobs is None or answer.logprobs is None:
+            return None
+        if req.endpoint == "chat":
+            from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+            shaped = _stateless(OpenAIServingChat)._create_chat_logprobs(
+                answer.token_ids, answer.logprobs, self.tokenizer, num_output_top_logprobs=req.logprobs
+            )
+        else:
+            from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+            shaped = _stateless(OpenAIServingCompletion)._create_completion_logprobs(
+                answer.token_ids, answer.logprobs, req.logprobs, self.tokenizer
+            )
+        return shaped.model_dump(mode="json")
 
     def _parsed(self, req: EngineRequest, text: str, output_ids: list[int], prompt_ids: list[int]) -> Parsed:
         """The chat answer split by the model's parsers (completions keep the raw text)."""
@@ -608,13 +665,12 @@ class VllmLocalEngine:
         )
 
 
-def _usage(g: Generated) -> dict[str, int]:
-    return {
-        "prompt_tokens": g.prompt_tokens,
-        "completion_tokens": g.completion_tokens,
-        "reasoning_tokens": g.reasoning_tokens,
-        "cached_prompt_tokens": g.cached_tokens,
-    }
+def _stateless(serving: type) -> Any:
+    """An instance of one of vLLM's serving classes with none of a server's state, for its
+    response-shaping methods; tokens are shown as text, as by default."""
+    shaper = object.__new__(serving)
+    shaper.return_tokens_as_token_ids = False
+    return shaper
 
 
 def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
