@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from anex_pipeline import responses
-from anex_pipeline.engine.models import matryoshka_dimensions, resolve_model
 from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
 from anex_pipeline.spec import (
     DUPLICATE_ID,
@@ -164,7 +163,7 @@ def read_chunks(
     ids = _Ids()
     index = 0
     chunk: list[bytes] = []
-    shortening = matryoshka_dimensions(resolve_model(options.model, endpoint)[0]) if endpoint == "embeddings" else None
+    shortening = _shortening(options.model) if endpoint == "embeddings" else None
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
     with path.open("rb") as f:
         head = f.read(4)
@@ -451,3 +450,12 @@ def result_keys(path: Path) -> Iterator[str]:
     with path.open(encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)["custom_id"]
+
+
+def _shortening(model: str) -> tuple[bool, list[int] | None] | None:
+    """Whether an embedding model can shorten its vectors, and to which lengths (see
+    :func:`~anex_pipeline.engine.models.matryoshka_dimensions`). The engine package sits
+    above the file formats, so it is imported here, when an embeddings file is read."""
+    from anex_pipeline.engine.models import matryoshka_dimensions, resolve_model
+
+    return matryoshka_dimensions(resolve_model(model, "embeddings")[0])
