@@ -113,7 +113,7 @@ class JobRunner:
         return job
 
     def run(self, job: JobDir, shards: Sequence[int] | None = None, *, clear_stop: bool = True) -> JobReport:
-        """Estimate, generate the chosen shards (all by default), merge and publish.
+        """Estimate, generate the chosen shards (by default every shard with rows left), merge and publish.
 
         Running a job again resumes it, so an earlier stop is cleared first; a caller that
         cleared it itself (and must not lose a stop asked since) passes ``clear_stop=False``.
@@ -134,8 +134,9 @@ class JobRunner:
         self._load_engine_early(job, manifest)
         stop = StopCheck(job)
         try:
-            self._execute("estimate_job", job.job_id)
-            chosen = range(len(manifest.shards)) if shards is None else shards
+            if not job.estimate_path.exists():  # else the submit step recorded it, or an earlier run made it
+                self._execute("estimate_job", job.job_id)
+            chosen = unfinished_shards(job) if shards is None else shards  # a finished shard's run would do nothing
             failures = []
             for shard in chosen:
                 if stop.asked() is not None:

@@ -29,9 +29,9 @@ from anex_pipeline.orchestration.partitions import (
     split_shard_key,
 )
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.estimate import estimate_lengths, length_histogram
+from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.ledger import account_rows
 from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
@@ -121,7 +121,7 @@ def _shard(context: dg.AssetExecutionContext, job: JobDir) -> int:
 )
 def validated_input(
     context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource, engine: EngineResource
-) -> dg.MaterializeResult:
+) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
     try:
         job = storage.job(context.partition_key)
     except ValueError as exc:  # a key no job folder can have, e.g. one of the work root's own folders
@@ -152,7 +152,8 @@ def validated_input(
     record_timing(job, "validate", time.monotonic() - started)
     m = job.manifest()
     register_job(context.instance, job.job_id, len(m.shards))
-    return dg.MaterializeResult(
+    estimate = estimate_without_sample(job)
+    yield dg.MaterializeResult(
         metadata={
             "rows": m.total_rows,
             "shards": len(m.shards),
@@ -163,6 +164,10 @@ def validated_input(
             "output": m.output,
         }
     )
+    if estimate is not None:  # no sample to generate: the estimate is in, with no run of its own
+        yield dg.AssetMaterialization(
+            asset_key=length_estimate.key, partition=job.job_id, metadata=_estimate_metadata(estimate, {})
+        )
 
 
 @dg.asset(
@@ -196,11 +201,15 @@ def length_estimate(
     with _stoppable(job):
         report, stats = estimate_lengths(job, lambda: load_interruptibly(lambda: engine.engine_for(manifest, job)))
     record_timing(job, "estimate", time.monotonic() - started)
+    return dg.MaterializeResult(metadata=_estimate_metadata(report, stats))
+
+
+def _estimate_metadata(report: EstimateReport, stats: dict[str, float]) -> dict[str, Any]:
     metadata: dict[str, Any] = {**report.model_dump(), **stats}
     if "sample_lengths" in stats:
         lengths = json.loads(str(stats["sample_lengths"]))
         metadata["output_length_histogram"] = dg.MetadataValue.md(length_histogram(lengths, report.max_tokens))
-    return dg.MaterializeResult(metadata=metadata)
+    return metadata
 
 
 @dg.asset(
