@@ -53,12 +53,23 @@ class _Interrupted(Exception):
 class JobRunner:
     """Runs jobs on one Dagster instance with one set of resources."""
 
-    def __init__(self, instance: dg.DagsterInstance, storage: StorageConfig, engine: EngineConfig):
+    def __init__(
+        self,
+        instance: dg.DagsterInstance,
+        storage: StorageConfig,
+        engine: EngineConfig,
+        *,
+        warm_server: bool = False,
+        keep_warm: bool = False,
+    ):
         """``storage`` and ``engine`` are plain settings (a Dagster resource is one too); the runner
-        wraps them in the resources its Dagster runs use, the engine kept loaded between runs."""
+        wraps them in the resources its Dagster runs use, the engine kept loaded between runs.
+        ``warm_server``: jobs run on the machine's shared model server when one is warm for them,
+        ``keep_warm``: one is started if none is, and stays warm after the runner is done (see
+        :class:`~anex_pipeline.orchestration.resources.EngineResource`)."""
         self.instance = _safe_for_threads(instance)
         self.storage = StorageResource.wrapping(storage)
-        self.engine = EngineResource.wrapping(engine, keep_loaded=True)
+        self.engine = EngineResource.wrapping(engine, keep_loaded=True, warm_server=warm_server, keep_warm=keep_warm)
         self.defs = build_definitions(storage, self.engine)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time

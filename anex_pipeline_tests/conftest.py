@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,9 @@ from anex_pipeline.spec import JobReport
 from anex_pipeline_tests.fakes import fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
+# `run` uses the machine's shared model server when one is warm for its settings: the tests' commands
+# look for it in a folder of their own, so that a server someone left warm on this machine serves none.
+os.environ.setdefault("ANEX_MACHINE_SERVER_DIR", tempfile.mkdtemp(prefix="anex-test-machine-server-"))
 # An instance for Dagster's own commands (webserver, `dagster job backfill`) with no daemon: its
 # coordinator starts each run at once instead of queueing it for the daemon `dagster dev` runs.
 DAEMONLESS_INSTANCE_YAML = """\

@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(run)
     _add_option_flags(run)
     _engine_flags(run)
+    run.add_argument(
+        "--keep-engine",
+        action="store_true",
+        help="run on this machine's shared model server (started if none serves the job's model and engine "
+        "settings) and leave it warm for its idle time, so the next run starts generating at once (runs without "
+        "the flag use it too while it is up; ANEX_MACHINE_SERVER=0 keeps every run's model in its own process)",
+    )
 
     val = sub.add_parser("validate", help="check an input file and its options without running it")
     val.add_argument("input")

@@ -83,12 +83,14 @@ def _sets_own_cap(row: InputRow) -> bool:
 
 
 def _needs_budget(manifest: JobManifest) -> bool:
-    """Whether a thinking budget is to be bounded from the sample: the model thinks (it has a
-    reasoning parser, i.e. thinking that a budget can cap) and the job sets no budget."""
-    options = manifest.job_options()
-    return options.reasoning_budget is None and (
-        choose_parsers(manifest.model, manifest.model_name, options).reasoning is not None
-    )
+    """Whether a thinking budget is to be bounded from the sample: the model thinks and the job
+    sets no budget."""
+    return manifest.job_options().reasoning_budget is None and model_thinks(manifest)
+
+
+def model_thinks(manifest: JobManifest) -> bool:
+    """Whether the job's model has a reasoning parser, i.e. thinking that a budget can cap."""
+    return choose_parsers(manifest.model, manifest.model_name, manifest.job_options()).reasoning is not None
 
 
 def _sample_and_bound(
