@@ -36,6 +36,7 @@ BOOL_FLAGS = [
     ("--parse-thinking", "parse_thinking"),
     ("--parse-tool-calls", "parse_tool_calls"),
     ("--prefix-order", "prefix_order"),
+    ("--answer-store", "answer_store"),
 ]
 
 
@@ -70,6 +71,8 @@ BOOL_HELP: dict[str, str] = {
     "parse_tool_calls": "put tool calls in message.tool_calls (default: on where the model has a parser)",
     "prefix_order": "send rows that share a long prompt prefix to the engine together (default: on; "
     "--no-prefix-order keeps file order)",
+    "answer_store": "answer deterministic rows that an earlier job of the work folder answered on the same model "
+    "and engine settings with that answer, not generated again (default: on)",
 }
 
 

@@ -31,6 +31,7 @@ from anex_pipeline.orchestration.partitions import (
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
+from anex_pipeline.stages.answer_store import open_store
 from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.ledger import account_rows
@@ -256,8 +257,13 @@ def generations(
         tell(*latest)  # generation starts now
         return loaded
 
-    with _stoppable(job):
-        summary = run_shard(job, shard, engine_in_hand, progress=progress)
+    store = open_store(job, engine.plain())
+    try:
+        with _stoppable(job):
+            summary = run_shard(job, shard, engine_in_hand, progress=progress, store=store)
+    finally:
+        if store is not None:
+            store.close()
     generation_s = summary.seconds - summary.engine_wait_s
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", generation_s)

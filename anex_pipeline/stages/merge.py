@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from anex_pipeline.formats import StoredOutcome, jsonl, write_error
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+from anex_pipeline.stages.answer_store import served_rows
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
@@ -225,6 +226,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         rows_per_s=round(delivered / busy, 3) if busy else 0.0,
         output_tokens_per_s=round(usage.completion_tokens / busy, 3) if busy else 0.0,
     )
+    from_earlier_jobs = served_rows(job, len(manifest.shards))
     return JobReport(
         job_id=manifest.job_id,
         status=status,
@@ -240,7 +242,8 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         timings=timings,
         throughput=throughput,
         output_tokens=tally.length_percentiles(),
-        reused_answer_rows=tally.reused,
+        reused_answer_rows=tally.reused - from_earlier_jobs,  # the copies made within the job
+        reused_from_earlier_jobs=from_earlier_jobs,
         reused_sample_rows=_reused_sample_rows(job, manifest),
         served_by=read_served(job),
         engine=read_engine(job),
