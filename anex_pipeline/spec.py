@@ -1,4 +1,4 @@
-"""The contract's data shapes: job options, submit-time problems, row outcomes and the job report.
+"""The contract's data shapes: job options, submit-time problems, input rows, row outcomes and the job report.
 
 Everything here is plain pydantic or dataclasses so that the CLI, the Dagster assets and the
 tests share one definition of what a job is and what it produces.
@@ -147,6 +147,17 @@ def error_kind(error_type: str, code: Any) -> str:
     error's code when it names the reason (``context_length_exceeded``), else the error's type (a
     number as code, such as a media host's HTTP status, is no reason of its own)."""
     return code if isinstance(code, str) and code else error_type
+
+
+@dataclass
+class InputRow:
+    """A request that passed its submit-time checks, normalised to an OpenAI request body."""
+
+    index: int  # 0-based position in the input
+    key: str  # the row identity: custom_id, the Parquet id column, or the row index
+    body: dict[str, Any]
+    # A /v1/responses row: its request as written, while ``body`` is the chat request it means.
+    respond: dict[str, Any] | None = None
 
 
 @dataclass

@@ -37,11 +37,10 @@ from anex_pipeline.engine.openai_http import (
     row_error,
 )
 from anex_pipeline.engine.replicas import ServersDown
-from anex_pipeline.formats import InputRow
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions
+from anex_pipeline.spec import InputRow, JobOptions
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.vllm_serve import free_port, vllm_servers
 

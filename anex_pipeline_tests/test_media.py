@@ -28,12 +28,11 @@ from urllib.parse import parse_qs, urlsplit
 import dagster as dg
 import pytest
 
-from anex_pipeline.formats import InputRow
 from anex_pipeline.media.fetcher import MediaFetcher, MediaFetchError
 from anex_pipeline.media.guard import address_problem, allowed_endpoints
 from anex_pipeline.media.refs import MediaRef, media_references
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions, MediaOptions
+from anex_pipeline.spec import InputRow, JobOptions, MediaOptions
 from anex_pipeline.stages.fetch_media import attach_media, fetch_shard, recorded_failures
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline_tests.conftest import read_jsonl, write_jsonl

@@ -12,9 +12,8 @@ from anex_pipeline.engine.openai_http import request_body
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.engine.vllm_local import VllmLocalEngine
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, fields_of
-from anex_pipeline.spec import JobOptions, RowOutcome
+from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
 from anex_pipeline.validate import check_body
 
 MESSAGES = [{"role": "user", "content": "hi"}]

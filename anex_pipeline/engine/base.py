@@ -18,10 +18,9 @@ from anex_pipeline.engine import prefix_order
 from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
 from anex_pipeline.responses import as_response
-from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowError, RowOutcome
 
 
 @dataclass

@@ -11,7 +11,6 @@ caller later renames into place.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,17 +23,6 @@ FileFormat = Literal["jsonl", "parquet"]
 
 PARQUET_MAGIC = b"PAR1"
 JSON_NULL = msgspec.Raw(b"null")
-
-
-@dataclass
-class InputRow:
-    """A request that passed its submit-time checks, normalised to an OpenAI request body."""
-
-    index: int  # 0-based position in the input
-    key: str  # the row identity: custom_id, the Parquet id column, or the row index
-    body: dict[str, Any]
-    # A /v1/responses row: its request as written, while ``body`` is the chat request it means.
-    respond: dict[str, Any] | None = None
 
 
 class StoredUsage(msgspec.Struct, frozen=True):

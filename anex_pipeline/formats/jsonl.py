@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from anex_pipeline import responses
-from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
+from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_checkpoint
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     ENDPOINT_BY_URL,
@@ -27,6 +27,7 @@ from anex_pipeline.spec import (
     INVALID_VALUE,
     URL_BY_ENDPOINT,
     Endpoint,
+    InputRow,
     JobOptions,
     Problem,
     RowOutcome,

@@ -18,9 +18,18 @@ import pyarrow.parquet as pq
 
 from anex_pipeline import responses
 from anex_pipeline.errors import RejectedError
-from anex_pipeline.formats import InputRow, StoredOutcome, arrow_checkpoint
+from anex_pipeline.formats import StoredOutcome, arrow_checkpoint
 from anex_pipeline.formats.images import image_part
-from anex_pipeline.spec import DUPLICATE_ID, INVALID_VALUE, MISSING_PARAMETER, Endpoint, JobOptions, Problem, RowOutcome
+from anex_pipeline.spec import (
+    DUPLICATE_ID,
+    INVALID_VALUE,
+    MISSING_PARAMETER,
+    Endpoint,
+    InputRow,
+    JobOptions,
+    Problem,
+    RowOutcome,
+)
 from anex_pipeline.validate import FieldProblem, check_body
 
 T = TypeVar("T")

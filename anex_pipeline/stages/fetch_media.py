@@ -19,7 +19,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
 from anex_pipeline.media.fetcher import (
     FetchStats,
@@ -29,7 +28,7 @@ from anex_pipeline.media.fetcher import (
 )
 from anex_pipeline.media.guard import TOTAL_CONNECTIONS
 from anex_pipeline.media.refs import MediaRef, media_references
-from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
+from anex_pipeline.spec import InputRow, MediaOptions, RowError, RowOutcome
 from anex_pipeline.workdir.manifest import JobDir
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from anex_pipeline import metrics
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
-from anex_pipeline.formats import InputRow, StoredOutcome
+from anex_pipeline.formats import StoredOutcome
 from anex_pipeline.responses import as_response
-from anex_pipeline.spec import EstimateReport, RowOutcome
+from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples

@@ -17,13 +17,12 @@ from typing import Any
 from anex_pipeline.engine.models import model_unavailable, resolve_model
 from anex_pipeline.formats import (
     FileFormat,
-    InputRow,
     parquet,
     sniff_format,
 )
 from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.options import sidecar_of
-from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
+from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
 from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout

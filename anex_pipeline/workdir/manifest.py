@@ -21,13 +21,12 @@ from pydantic import BaseModel
 
 from anex_pipeline.formats import (
     FileFormat,
-    InputRow,
     StoredOutcome,
     arrow_checkpoint,
     write_error,
 )
 from anex_pipeline.formats.registry import FORMATS
-from anex_pipeline.spec import Endpoint, JobOptions, RowOutcome
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowOutcome
 from anex_pipeline.workdir import layout
 
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
