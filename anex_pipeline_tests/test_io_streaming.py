@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint, parquet
+from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint, jsonl_input, parquet
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
 from anex_pipeline.spec import JobOptions, JobRejected, RowError, RowOutcome
 from anex_pipeline.stages import merge
@@ -307,7 +307,7 @@ def test_a_record_of_the_wrong_shape_stops_the_merge_instead_of_dropping_the_row
 
 
 def test_repeated_ids_are_named_even_when_every_hash_collides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jsonl, "hash", lambda _: 7, raising=False)  # ids are kept as hashes only
+    monkeypatch.setattr(jsonl_input, "hash", lambda _: 7, raising=False)  # ids are kept as hashes only
     rows = [chat_row(cid, "q") for cid in ("a", "b", "c", "b", "d", "a")]
     rows[2]["body"]["messages"] = []  # a rejected line's id does not count as used
     rows.append(chat_row("c", "q"))

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.cli import main
-from anex_pipeline.formats import jsonl
+from anex_pipeline.formats import jsonl_input
 from anex_pipeline.runner import JobRunner
 
 CHAT_URL = "/v1/chat/completions"
@@ -902,7 +902,7 @@ def write_case(c: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tupl
         opts.write_bytes(c.options if isinstance(c.options, bytes) else json.dumps(c.options).encode())
         args += ["--options", str(opts)]
     if c.max_line_bytes is not None:
-        monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", c.max_line_bytes)
+        monkeypatch.setattr(jsonl_input, "MAX_LINE_BYTES", c.max_line_bytes)
     return src, args
 
 

@@ -17,9 +17,9 @@ from typing import Any
 from anex_pipeline.engine.models import model_unavailable, resolve_model
 from anex_pipeline.formats import (
     FileFormat,
-    parquet,
     sniff_format,
 )
+from anex_pipeline.formats.parquet_input import ParquetInputError
 from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
@@ -103,7 +103,7 @@ def read_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, I
     module = FORMATS[kind]
     try:
         endpoint = module.job_endpoint(path, options)
-    except parquet.ParquetInputError as exc:
+    except ParquetInputError as exc:
         raise JobRejected(exc.problems) from None
     _, model_name = resolve_model(options.model, endpoint)
     names = frozenset({model_name, *(n for n in [options.model] if n)})
