@@ -34,6 +34,7 @@ from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, RowErrorType
+from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
@@ -364,7 +365,7 @@ class BatchWorker:
         out_path = self.store.scratch(f"{record.id}_output.jsonl")
         err_path = self.store.scratch(f"{record.id}_error.jsonl")
         rows = {"output_file_id": 0, "error_file_id": 0}
-        with out_path.open("w", encoding="utf-8") as out, err_path.open("w", encoding="utf-8") as err:
+        with out_path.open("wb") as out, err_path.open("wb") as err:
             for line, failed in _result_lines(job, unrun):
                 (err if failed else out).write(line)
                 rows["error_file_id" if failed else "output_file_id"] += 1
@@ -417,10 +418,10 @@ def _unrun_code(record: BatchRecord) -> str | None:
     return "batch_expired" if record.expired_at is not None else None
 
 
-def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
+def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[bytes, bool]]:
     """The job's result lines, each with whether it is an error. With ``unrun``, a row that never
     ran gets an error line with that code, in its place in input order."""
-    with result_path(job).open(encoding="utf-8") as src:
+    with result_path(job).open("rb") as src:
         if unrun is None:
             for line in src:
                 yield line, json.loads(line)["error"] is not None
@@ -433,5 +434,4 @@ def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
                     line = next(src)
                     yield line, json.loads(line)["error"] is not None
                 else:
-                    line = {"id": f"batch_req_{row.key}", "custom_id": row.key, "response": None, "error": error}
-                    yield json.dumps(line) + "\n", True
+                    yield unanswered_line(row.key, error), True

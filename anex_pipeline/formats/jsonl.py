@@ -15,6 +15,7 @@ import msgspec
 
 from anex_pipeline import responses
 from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_checkpoint
+from anex_pipeline.formats.envelope import answered_line
 
 # The module registered as the JSONL format reads its input through these.
 from anex_pipeline.formats.jsonl_input import CHUNK_ROWS, job_endpoint, read_chunks  # noqa: F401
@@ -28,7 +29,6 @@ from anex_pipeline.spec import (
 SHARD_FILE = "requests.jsonl"
 # The merge streams stored rows (bodies as JSON) into write_results, not columns of answers.
 MERGES_COLUMNS = False
-_STATUS = {200: b"200", None: b"null"}
 COPY_BLOCK = 1 << 20
 
 
@@ -119,29 +119,19 @@ def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[
 
 
 def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:
-    """Writes (or with ``append``, adds) one OpenAI batch output line per outcome (the stored body
+    """Writes (or with ``append``, adds) one batch output envelope per outcome (the stored body
     passes through as it is); returns the number of lines."""
-    encode = msgspec.json.encode
     count = 0
     lines: list[bytes] = []
     with path.open("ab" if append else "wb") as f:
         for o in outcomes:
-            key = encode(o.key)[1:]  # the key as JSON without its opening quote, to follow a prefix
-            lines.append(
-                b'{"id":"batch_req_%b,"custom_id":"%b,"response":{"status_code":%b,"request_id":"req_%b,'
-                b'"body":%b},"error":%b}\n'
-                % (key, key, _STATUS.get(o.status_code) or encode(o.status_code), key, *_body_and_error(o))
-            )
+            lines.append(answered_line(o))
             if len(lines) == CHUNK_ROWS:
                 f.write(b"".join(lines))
                 count += len(lines)
                 lines.clear()
         f.write(b"".join(lines))
     return count + len(lines)
-
-
-def _body_and_error(o: StoredOutcome) -> tuple[bytes, bytes]:
-    return (o.body, b"null") if o.error is None else (b"null", msgspec.json.encode(o.error))
 
 
 def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
