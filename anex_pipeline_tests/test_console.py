@@ -176,7 +176,7 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
         cost=0.01234,
     )
     spent = {"engine_load": 91.2, "generate": 6.5, "estimate": 0.4, "merge": 0.1}
-    lines = summary_lines(report, "out/r.jsonl.report.json", "jsonl", spent, 98.0)
+    lines = summary_lines(report, "out/r.jsonl.report.json", "error", spent, 98.0)
     assert lines == [
         "status      completed",
         "rows        5 completed (3 reached the token cap), 5 failed, 1 format errors, of 10",
@@ -190,7 +190,7 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
         "report      out/r.jsonl.report.json",
     ]
     stopped = report.model_copy(update={"status": "stopped_early", "request_counts": RequestCounts(total=10)})
-    lines = summary_lines(stopped, "r.report.json", "parquet", {}, 3.0)
+    lines = summary_lines(stopped, "r.report.json", "error_type", {}, 3.0)
     assert lines[0] == "status      stopped early" and "10 have no result" in lines[1]
     assert "result      none published: no row has a result" in lines
 

@@ -288,13 +288,14 @@ def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
 
 def _finish(ran: _Ran, wall_s: float, as_json: bool) -> int:
     from anex_pipeline.console import summary_lines
+    from anex_pipeline.formats.registry import FORMATS
     from anex_pipeline.workdir.timing import read_timings
 
     report, manifest = ran.report, ran.job.manifest()
     if as_json:
         print(report.model_dump_json(indent=2))
     spent = {stage: s - ran.timings_before.get(stage, 0.0) for stage, s in read_timings(ran.job).items()}
-    for line in summary_lines(report, manifest.report, manifest.format, spent, wall_s):
+    for line in summary_lines(report, manifest.report, FORMATS[manifest.format].error_field, spent, wall_s):
         print(line, file=sys.stderr)
     counts = report.request_counts
     if report.status == "completed" and counts.total and not counts.completed:
@@ -339,7 +340,7 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
         raise JobRejected(problems, total=problem_count)
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
-    print(f"ok: {count} rows, {kind}, {endpoint} endpoint")
+    print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")
     return ExitCode.OK
 
 

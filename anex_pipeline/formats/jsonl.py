@@ -1,41 +1,125 @@
 """JSONL in the OpenAI batch format: request lines in (read and checked by
 :mod:`~anex_pipeline.formats.jsonl_input`), batch output envelopes out; shards are JSON lines
-``{"i", "key", "body"}``."""
+``{"i", "key", "body"}``, and so are their checkpoints (:mod:`~anex_pipeline.formats.jsonl_checkpoint`)."""
 
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import json
+import multiprocessing
+import os
+import shutil
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
 from anex_pipeline import responses
-from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_checkpoint
+from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_checkpoint, jsonl_input
+from anex_pipeline.formats.base import Format, MergeInput, RowCounter, ShardCheckpoint
 from anex_pipeline.formats.envelope import answered_line
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, Problem, RowOutcome
 
-# The module registered as the JSONL format reads its input through these.
-from anex_pipeline.formats.jsonl_input import CHUNK_ROWS, job_endpoint, read_chunks  # noqa: F401
-from anex_pipeline.spec import (
-    Endpoint,
-    InputRow,
-    JobOptions,
-    RowOutcome,
-)
-
-SHARD_FILE = "requests.jsonl"
-# The merge streams stored rows (bodies as JSON) into write_results, not columns of answers.
-MERGES_COLUMNS = False
 COPY_BLOCK = 1 << 20
+PARALLEL_MERGE_ROWS = 100_000  # a job this big is merged by one process per core
 
 
-def chunk_rows(chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """The rows of a chunk of shard lines, with the job's system prompt applied."""
-    for line in chunk:
-        yield shard_row(line, endpoint, options)
+class JsonlFormat(Format):
+    """OpenAI batch JSONL: each line a request, each result line a batch output envelope."""
+
+    name = "jsonl"
+    title = "JSONL"
+    shard_file = "requests.jsonl"
+    checkpoint_file = "results.jsonl"
+    error_field = "error"
+
+    def job_endpoint(self, path: Path, options: JobOptions) -> Endpoint:
+        return jsonl_input.job_endpoint(path, options)
+
+    def read_chunks(
+        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+    ) -> Iterator[list[bytes] | Problem]:
+        return jsonl_input.read_chunks(path, endpoint, model_names, options)
+
+    def chunk_rows(self, chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        for line in chunk:
+            yield shard_row(line, endpoint, options)
+
+    def staging(self, path: Path) -> Staging:
+        return Staging(path)
+
+    def split_staging(self, staging: Path, shards: list[tuple[Path, int]]) -> None:
+        split_staging(staging, shards)
+
+    def read_shard(self, path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        """The job's system prompt is applied to each row."""
+        with path.open("rb") as f:
+            for line in f:
+                row = shard_row(line, endpoint, options)
+                yield responses.chat_row(row) if endpoint == "responses" else row
+
+    def append_checkpoint(self, path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+        jsonl_checkpoint.append_outcomes(path, outcomes)
+
+    def checkpoint_outcomes(self, path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
+        """The bodies stay the stored JSON, and the file is streamed, never read whole."""
+        return jsonl_checkpoint.latest_records(path, start, stop, decode_stored_outcome)
+
+    def merge(self, job: MergeInput, out: Path, counter: RowCounter) -> None:
+        """Streams each shard's checkpoint into envelopes. A big job's shards are written by one
+        process per core, each into a part file, and the parts appended in shard order."""
+        shards = job.shards
+        workers = min(os.cpu_count() or 1, len(shards))
+        if sum(s.stop - s.start for s in shards) < PARALLEL_MERGE_ROWS or workers < 2:
+            for n, shard in enumerate(shards):
+                counter.absorb(self._write_part(shard, out, job.endpoint, type(counter), append=n > 0))
+            return
+        parts = [out.with_name(f"{out.name}.{n}") for n in range(len(shards))]
+        try:
+            # fork: the workers need no imports, and they only read checkpoints and write their part
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                kinds = [type(counter)] * len(parts)
+                for counted in pool.map(self._write_part, shards, parts, [job.endpoint] * len(parts), kinds):
+                    counter.absorb(counted)
+            with out.open("wb") as f:
+                for part in parts:
+                    with part.open("rb") as src:
+                        _copy(src, f)
+        finally:
+            for part in parts:
+                part.unlink(missing_ok=True)
+
+    def _write_part(
+        self, shard: ShardCheckpoint, path: Path, endpoint: Endpoint, counter: type[RowCounter], append: bool = False
+    ) -> RowCounter:
+        """Writes the result lines of one shard's finished rows, in input order; returns a new
+        counter (of the merge's own kind) of them."""
+        counted = counter()
+        add = counted.add
+        outcomes = self.checkpoint_outcomes(shard.path, shard.start, shard.stop, endpoint)
+        write_results(path, (add(o) for o in outcomes), append=append)
+        return counted
+
+    def result_keys(self, path: Path) -> Iterator[str]:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["custom_id"]
+
+
+def _copy(source: BinaryIO, target: BinaryIO) -> None:
+    """Appends one file to another, inside the kernel where the filesystem allows it."""
+    left = os.fstat(source.fileno()).st_size
+    try:
+        while left:
+            left -= os.copy_file_range(source.fileno(), target.fileno(), left)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        shutil.copyfileobj(source, target, 1 << 20)
 
 
 def shard_row(line: bytes | str, endpoint: Endpoint, options: JobOptions) -> InputRow:
@@ -109,15 +193,6 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
                     rest, count = block[cut + 1 :], 0
 
 
-def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, with the job's system prompt applied (a /v1/responses row comes as the chat
-    row it means)."""
-    with path.open("rb") as f:
-        for line in f:
-            row = shard_row(line, endpoint, options)
-            yield responses.chat_row(row) if endpoint == "responses" else row
-
-
 def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:
     """Writes (or with ``append``, adds) one batch output envelope per outcome (the stored body
     passes through as it is); returns the number of lines."""
@@ -126,27 +201,9 @@ def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = 
     with path.open("ab" if append else "wb") as f:
         for o in outcomes:
             lines.append(answered_line(o))
-            if len(lines) == CHUNK_ROWS:
+            if len(lines) == jsonl_input.CHUNK_ROWS:
                 f.write(b"".join(lines))
                 count += len(lines)
                 lines.clear()
         f.write(b"".join(lines))
     return count + len(lines)
-
-
-def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
-    """Appends finished rows to a shard's checkpoint (JSON lines), durably."""
-    jsonl_checkpoint.append_outcomes(path, outcomes)
-
-
-def checkpoint_outcomes(path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
-    """The latest outcome of each row of a shard's checkpoint, by row order; the bodies stay the
-    stored JSON and the file is streamed, never read whole."""
-    return jsonl_checkpoint.latest_records(path, start, stop, decode_stored_outcome)
-
-
-def result_keys(path: Path) -> Iterator[str]:
-    """The row identities of a result file, in file order."""
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)["custom_id"]

@@ -1,5 +1,6 @@
 """Parquet jobs: a prompt column in (read and checked by :mod:`~anex_pipeline.formats.parquet_input`),
-the input's columns plus output columns out; shards are Arrow IPC files of the prompt values."""
+the input's columns plus output columns out; shards are Arrow IPC files of the prompt values, and
+their checkpoints Arrow streams of answers in columns (:mod:`~anex_pipeline.formats.arrow_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -13,29 +14,83 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from anex_pipeline import responses
-from anex_pipeline.formats import StoredOutcome, arrow_checkpoint
-
-# The module registered as the Parquet format reads its input through these.
-from anex_pipeline.formats.parquet_input import (  # noqa: F401
-    chunk_rows,
-    job_endpoint,
-    made_ahead,
-    open_input,
-    read_chunks,
-    result_fields,
-)
-from anex_pipeline.spec import (
-    Endpoint,
-    InputRow,
-    JobOptions,
-    RowOutcome,
-)
+from anex_pipeline.formats import StoredOutcome, arrow_checkpoint, parquet_input
+from anex_pipeline.formats.base import Format, MergeInput, RowCounter
+from anex_pipeline.formats.parquet_input import ParquetInputError, chunk_rows, made_ahead, open_input, result_fields
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, JobRejected, Problem, RowOutcome
 
 MERGE_ROWS = 65_536  # input rows per batch, and per row group, of a result file
-SHARD_FILE = "requests.arrow"
-# The merge hands write_results the checkpoints' answer columns, next to the input's own columns.
-MERGES_COLUMNS = True
 TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens")
+
+
+class ParquetFormat(Format):
+    """Parquet: a prompt column in; out, the input's own columns and the answers beside them."""
+
+    name = "parquet"
+    title = "Parquet"
+    magic = b"PAR1"
+    shard_file = "requests.arrow"
+    checkpoint_file = "results.arrow"
+    error_field = "error_type"
+
+    def job_endpoint(self, path: Path, options: JobOptions) -> Endpoint:
+        try:
+            return parquet_input.job_endpoint(path, options)
+        except ParquetInputError as exc:
+            raise JobRejected(exc.problems) from None
+
+    def read_chunks(
+        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+    ) -> Iterator[pa.RecordBatch | Problem]:
+        return parquet_input.read_chunks(path, endpoint, model_names, options)
+
+    def chunk_rows(self, chunk: pa.RecordBatch, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        return chunk_rows(chunk, endpoint, options)
+
+    def staging(self, path: Path) -> Staging:
+        return Staging(path)
+
+    def split_staging(self, staging: Path, shards: list[tuple[Path, int]]) -> None:
+        """Each shard file is Arrow IPC."""
+        with pa.OSFile(str(staging)) as source, pa.ipc.open_stream(source) as reader:  # read, not memory-mapped
+            batches = iter(reader)
+            rest: pa.RecordBatch | None = None
+            for path, count in shards:
+                with pa.ipc.new_file(path, reader.schema) as out:
+                    while count:
+                        batch = rest if rest is not None else next(batches)
+                        out.write_batch(batch.slice(0, count))
+                        rest = batch.slice(count) if batch.num_rows > count else None
+                        count -= min(count, batch.num_rows)
+
+    def read_shard(self, path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        """The request bodies are built from the rows' prompts under the job's options."""
+        with pa.OSFile(str(path)) as source, pa.ipc.open_file(source) as reader:
+            for n in range(reader.num_record_batches):
+                for row in chunk_rows(reader.get_batch(n), endpoint, options):
+                    yield responses.chat_row(row) if endpoint == "responses" else row
+
+    def append_checkpoint(self, path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+        arrow_checkpoint.append(path, outcomes, endpoint)
+
+    def checkpoint_outcomes(self, path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
+        """The merge reads the answers as columns instead (:func:`arrow_checkpoint.latest`)."""
+        return arrow_checkpoint.stored_outcomes(arrow_checkpoint.latest(path, endpoint))
+
+    def merge(self, job: MergeInput, out: Path, counter: RowCounter) -> None:
+        """Reads each shard's checkpoint as columns, counted column-wise, into the result's columns."""
+        answers = (
+            counter.add_answers(table)
+            for shard in job.shards
+            for table in arrow_checkpoint.latest(shard.path, job.endpoint)
+        )
+        write_results(job.input, out, answers, job.endpoint, job.options)
+
+    def result_keys(self, path: Path) -> Iterator[str]:
+        pf = pq.ParquetFile(path, pre_buffer=False)
+        column = "id" if "id" in pf.schema_arrow.names else "row_index"
+        for batch in pf.iter_batches(columns=[column]):
+            yield from (str(v) for v in batch.column(0).to_pylist())
 
 
 class Staging:
@@ -68,29 +123,6 @@ class Staging:
                         found[w] += [(v if isinstance(v, str) else json.dumps(v))[:size] for v in values]
                 first += batch.num_rows
         return found
-
-
-def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
-    """Cuts the staged rows into shard files (Arrow IPC) holding the given numbers of rows, in order."""
-    with pa.OSFile(str(staging)) as source, pa.ipc.open_stream(source) as reader:  # read, not memory-mapped
-        batches = iter(reader)
-        rest: pa.RecordBatch | None = None
-        for path, count in shards:
-            with pa.ipc.new_file(path, reader.schema) as out:
-                while count:
-                    batch = rest if rest is not None else next(batches)
-                    out.write_batch(batch.slice(0, count))
-                    rest = batch.slice(count) if batch.num_rows > count else None
-                    count -= min(count, batch.num_rows)
-
-
-def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, with the request bodies built from their prompts under the job's options (a
-    /v1/responses row comes as the chat row it means)."""
-    with pa.OSFile(str(path)) as source, pa.ipc.open_file(source) as reader:
-        for n in range(reader.num_record_batches):
-            for row in chunk_rows(reader.get_batch(n), endpoint, options):
-                yield responses.chat_row(row) if endpoint == "responses" else row
 
 
 def write_results(
@@ -169,22 +201,3 @@ class _Answers:
             self.held = self.held.slice(count)
             break
         return pa.concat_tables(parts).combine_chunks() if parts else self.schema.empty_table()
-
-
-def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
-    """Appends finished rows to a shard's checkpoint (an Arrow stream), durably."""
-    arrow_checkpoint.append(path, outcomes, endpoint)
-
-
-def checkpoint_outcomes(path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
-    """The latest outcome of each row of a shard's checkpoint, by row order (the merge reads the
-    answers as columns instead: see :func:`arrow_checkpoint.latest`)."""
-    return arrow_checkpoint.stored_outcomes(arrow_checkpoint.latest(path, endpoint))
-
-
-def result_keys(path: Path) -> Iterator[str]:
-    """The row identities of a result file, in file order."""
-    pf = pq.ParquetFile(path, pre_buffer=False)
-    column = "id" if "id" in pf.schema_arrow.names else "row_index"
-    for batch in pf.iter_batches(columns=[column]):
-        yield from (str(v) for v in batch.column(0).to_pylist())

@@ -20,6 +20,7 @@ from dagster_aws.s3 import S3Resource
 from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.options import (
     MAX_OPTIONS_BYTES,
     SIDECAR_SUFFIX,
@@ -36,7 +37,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.storage import unsafe_key
 from anex_pipeline.workdir.manifest import make_job_id
 
-INPUT_SUFFIXES = (".jsonl", ".parquet")
+INPUT_SUFFIXES = tuple(f.suffix for f in FORMATS.values())
 
 
 @dataclass(frozen=True)

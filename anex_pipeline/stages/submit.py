@@ -15,12 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from anex_pipeline.engine.models import model_unavailable, resolve_model
-from anex_pipeline.formats import (
-    FileFormat,
-    sniff_format,
-)
-from anex_pipeline.formats.parquet_input import ParquetInputError
-from anex_pipeline.formats.registry import FORMATS, misnamed
+from anex_pipeline.formats.base import Format
+from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
 from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
 from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
@@ -47,7 +43,7 @@ MAX_REPORTED_PROBLEMS = 1000
 
 
 def default_report_path(output: str) -> str:
-    for suffix in (".jsonl", ".parquet", ".json"):
+    for suffix in (*(f.suffix for f in FORMATS.values()), ".json"):
         if output.endswith(suffix):
             return output[: -len(suffix)] + ".report.json"
     return output + ".report.json"
@@ -80,13 +76,13 @@ def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[Sha
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
 
-def detect_format(path: Path) -> FileFormat:
+def detect_format(path: Path) -> Format:
     if not path.exists():
         raise JobRejected([Problem(f"input file {path} does not exist")])
     if not path.is_file():
         raise JobRejected([Problem(f"input {path} is not a file")])
     try:
-        kind = sniff_format(path)
+        kind = sniff(path)
     except OSError as exc:
         raise JobRejected([Problem(f"input file {path} cannot be read: {exc.strerror}")]) from None
     if kind is None:
@@ -96,21 +92,17 @@ def detect_format(path: Path) -> FileFormat:
     return kind
 
 
-def read_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[Any]]:
+def read_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[Any]]:
     """Opens an input for checking: its format, its endpoint, and its problems and chunks of
-    accepted rows (in the format module's own form), in input order."""
+    accepted rows (in the format's own form), in input order."""
     kind = detect_format(path)
-    module = FORMATS[kind]
-    try:
-        endpoint = module.job_endpoint(path, options)
-    except ParquetInputError as exc:
-        raise JobRejected(exc.problems) from None
+    endpoint = kind.job_endpoint(path, options)
     _, model_name = resolve_model(options.model, endpoint)
     names = frozenset({model_name, *(n for n in [options.model] if n)})
-    return kind, endpoint, module.read_chunks(path, endpoint, names, options)
+    return kind, endpoint, kind.read_chunks(path, endpoint, names, options)
 
 
-def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[InputRow | Problem]]:
+def check_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[InputRow | Problem]]:
     """Like :func:`read_input`, with the accepted rows one by one."""
     kind, endpoint, chunks = read_input(path, options)
 
@@ -119,7 +111,7 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
             if isinstance(item, Problem):
                 yield item
             else:
-                yield from FORMATS[kind].chunk_rows(item, endpoint, options)
+                yield from kind.chunk_rows(item, endpoint, options)
 
     return kind, endpoint, rows()
 
@@ -250,12 +242,11 @@ def prepare_job(
             atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
         return job
     job.root.mkdir(parents=True, exist_ok=True)
-    module = FORMATS[kind]
     staging = job.root / layout.STAGING
     problems: list[Problem] = found
     problem_count = len(found)
     total = 0
-    out = module.Staging(staging)
+    out = kind.staging(staging)
     checked = False
     try:
         for item in chunks:
@@ -292,7 +283,7 @@ def prepare_job(
         input_sha256=sha,
         output=output,
         report=report,
-        format=kind,
+        format=kind.name,
         endpoint=endpoint,
         model=str(model_path),
         model_name=model_name,
@@ -305,11 +296,11 @@ def prepare_job(
     return job
 
 
-def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileFormat) -> None:
+def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: Format) -> None:
     targets = []
     for n, rng in enumerate(ranges):
         job.shard_dir(n).mkdir(parents=True, exist_ok=True)
-        for name in layout.CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
-            (job.shard_dir(n) / name).unlink(missing_ok=True)
-        targets.append((job.requests_path(n, kind), rng.size))
-    FORMATS[kind].split_staging(staging, targets)
+        for each in FORMATS.values():  # the input changed: old results no longer apply
+            (job.shard_dir(n) / each.checkpoint_file).unlink(missing_ok=True)
+        targets.append((job.requests_path(n, kind.name), rng.size))
+    kind.split_staging(staging, targets)

@@ -16,13 +16,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 from pydantic import BaseModel
 
 from anex_pipeline.formats import (
     FileFormat,
     StoredOutcome,
-    arrow_checkpoint,
     write_error,
 )
 from anex_pipeline.formats.registry import FORMATS
@@ -133,12 +131,12 @@ class JobDir:
         return self.root / layout.SHARDS_DIR / shard_key(shard)
 
     def requests_path(self, shard: int, kind: FileFormat) -> Path:
-        return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
+        return self.shard_dir(shard) / FORMATS[kind].shard_file
 
     def checkpoint_path(self, shard: int, manifest: JobManifest | None = None) -> Path:
         """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one
         (``manifest``: the job's, when the caller has read it already)."""
-        return self.shard_dir(shard) / layout.CHECKPOINT_FILES[(manifest or self.manifest()).format]
+        return self.shard_dir(shard) / FORMATS[(manifest or self.manifest()).format].checkpoint_file
 
     @property
     def estimate_path(self) -> Path:
@@ -190,16 +188,11 @@ class JobDir:
     def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
         """The latest outcome of each row of the shard that has one, by row order. A JSONL job's
         bodies stay the stored JSON and its checkpoint is streamed, never read whole (see
-        :func:`latest_records`); a Parquet job's answers stay in :meth:`answers`."""
+        :func:`latest_records`); a Parquet job's answers stay in the checkpoint's columns."""
         manifest = self.manifest()
         path = self.checkpoint_path(shard, manifest)
         rng = manifest.shards[shard]
         return FORMATS[manifest.format].checkpoint_outcomes(path, rng.start, rng.stop, manifest.endpoint)
-
-    def answers(self, shard: int) -> Iterator[pa.Table]:
-        """A Parquet job's shard checkpoint as columns: the latest row per index, by index."""
-        manifest = self.manifest()
-        return arrow_checkpoint.latest(self.checkpoint_path(shard, manifest), manifest.endpoint)
 
     def finished_rows(self, shard: int) -> set[int]:
         """The indices of the shard's rows whose latest outcome succeeded."""
