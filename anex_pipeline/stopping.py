@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
 
-from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.engine.vllm.watchdog import EngineProcessDied
 from anex_pipeline.errors import AnexError
 from anex_pipeline.workdir.manifest import JobDir
 

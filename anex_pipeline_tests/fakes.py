@@ -13,9 +13,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.request_fields import PROMPT_FIELDS

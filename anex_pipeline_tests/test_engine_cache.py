@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from anex_pipeline import engine as engines
-from anex_pipeline.engine import EngineSettings, load_engine, release_engines
+from anex_pipeline.engine import loader
+from anex_pipeline.engine.loader import load_engine, release_engines
+from anex_pipeline.engine.vllm.engine import EngineSettings
 
 
 class StubEngine:
@@ -21,7 +22,7 @@ class StubEngine:
 
 @pytest.fixture(autouse=True)
 def stub_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("anex_pipeline.engine.vllm_local.VllmLocalEngine", StubEngine)
+    monkeypatch.setattr("anex_pipeline.engine.vllm.engine.VllmLocalEngine", StubEngine)
     yield
     release_engines()
 
@@ -32,7 +33,7 @@ def test_same_settings_share_one_engine_and_another_model_replaces_it() -> None:
     assert load_engine(a) is first
     other = load_engine(EngineSettings(model="/models/b", model_name="b"))
     assert other is not first and first.stopped  # two models never hold memory at once
-    assert list(engines._loaded.values()) == [other]
+    assert list(loader._loaded.values()) == [other]
 
 
 def test_a_dead_engine_is_shut_down_and_loaded_again() -> None:

@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest, resolve_request
-from anex_pipeline.engine.openai_http import request_body
+from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.structured import mark_completion
-from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.engine.vllm.engine import VllmLocalEngine
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, fields_of

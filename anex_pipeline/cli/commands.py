@@ -143,7 +143,7 @@ def _runner(args: argparse.Namespace) -> Any:
 
 def _base_url(given: list[str] | None) -> str | None:
     """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
-    from anex_pipeline.engine.replicas import server_urls
+    from anex_pipeline.engine.http.replicas import server_urls
 
     try:
         return ",".join(server_urls(given)) or None

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.engine import EngineLoadFailed, progress
+from anex_pipeline.engine.loader import EngineLoadFailed, progress
 
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
 from anex_pipeline.engine.orphans import (
@@ -243,7 +243,7 @@ def busy(url: str) -> bool:
 
 
 def server_command(settings: Any, port: int) -> list[str]:
-    """The ``vllm serve`` command for in-process engine settings (vllm_local.EngineSettings): the
+    """The ``vllm serve`` command for in-process engine settings (vllm.engine.EngineSettings): the
     same engine arguments the in-process engine is built with, as flags, and the server's own.
 
     The server is started through its module: the ``vllm`` command looks up the version of a
@@ -366,7 +366,7 @@ def _terminate(state: ServerState, grace_s: float = 30.0) -> None:
 
 
 def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
-    from anex_pipeline.engine import cpu_environment
+    from anex_pipeline.engine.vllm import cpu_environment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
-from anex_pipeline.engine import EngineLoadFailed
+from anex_pipeline.engine.loader import EngineLoadFailed
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.partitions import (
     across_jobs_and_shards,

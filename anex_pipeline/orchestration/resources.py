@@ -8,7 +8,9 @@ import os
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineConfig, engine_for, engine_report, machine_engine, release_engines
+from anex_pipeline.engine.base import Engine
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import engine_for, engine_report, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest

@@ -37,7 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from anex_pipeline.engine import cpu_environment
 from anex_pipeline.engine.base import (
     EngineRequest,
     StopCheck,
@@ -48,7 +47,7 @@ from anex_pipeline.engine.base import (
 )
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
-from anex_pipeline.engine.openai_http import row_usage
+from anex_pipeline.engine.http.engine import row_usage
 from anex_pipeline.engine.parsing import (
     NOTICE_TEXT,
     OutputParser,
@@ -62,7 +61,8 @@ from anex_pipeline.engine.parsing import (
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.sharing import Lane, Lanes
-from anex_pipeline.engine.watchdog import EngineProcessDied, engine_gone, watch_engine
+from anex_pipeline.engine.vllm import cpu_environment
+from anex_pipeline.engine.vllm.watchdog import EngineProcessDied, engine_gone, watch_engine
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.audio import audio_problem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS

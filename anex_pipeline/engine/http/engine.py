@@ -3,7 +3,7 @@
 Each row becomes one HTTP request to ``/v1/chat/completions``, ``/v1/completions`` or
 ``/v1/embeddings``, carrying the row's body with the job's resolved values applied. With several
 servers (replicas of one model), rows are spread over them, ``max_concurrency`` in flight per
-server (:mod:`anex_pipeline.engine.replicas`). A row is tried again, on another server when it can,
+server (:mod:`anex_pipeline.engine.http.replicas`). A row is tried again, on another server when it can,
 after a 408, 429 or 5xx answer or when its server gives no answer (which also takes that server out
 until it answers a probe); waits follow the shared retry policy (a server's ``Retry-After`` wins).
 What the server answers is what the row gets: a success body passes through untouched (embedding
@@ -27,7 +27,7 @@ import httpx
 
 from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, unit_vector
-from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
+from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.request_fields import PROMPT_FIELDS
