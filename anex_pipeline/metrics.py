@@ -101,7 +101,7 @@ ENGINE_STATES = ("idle", "loading", "ready", "dead")
 def engine_load() -> Iterator[Callable[[Any], None]]:
     """Wraps one engine load; the block calls what it yields with the engine once it is ready. A
     load that raises leaves the state dead, unless a stop cut it short."""
-    from anex_pipeline.stopping import JobStopped
+    from anex_pipeline.errors import JobStopped
 
     started = time.monotonic()
     with _engine.lock:

@@ -22,7 +22,8 @@ from anex_pipeline.engine.engine_args import canonical
 from anex_pipeline.engine.loader import load_engine, release_engines
 from anex_pipeline.engine.models import local_model_path, resolve_model
 from anex_pipeline.engine.vllm.engine import EngineSettings
-from anex_pipeline.engine.vllm.watchdog import EngineProcessDied, engine_processes
+from anex_pipeline.engine.vllm.watchdog import engine_processes
+from anex_pipeline.errors import EngineProcessDied
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner

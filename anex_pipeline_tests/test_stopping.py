@@ -19,14 +19,14 @@ import pytest
 
 from anex_pipeline import stopping
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.vllm.watchdog import EngineProcessDied
+from anex_pipeline.errors import EngineProcessDied, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
+from anex_pipeline.stopping import request_stop, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine

@@ -24,11 +24,10 @@ from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.http.replicas import server_urls
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.engine.vllm.engine import EngineSettings
-from anex_pipeline.errors import AnexError
+from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
-    "EngineLoadFailed",
     "engine_for",
     "engine_report",
     "load_engine",
@@ -47,12 +46,6 @@ _failed: dict[EngineSettings, tuple[float, str]] = {}  # settings -> when and wh
 
 
 EngineFactory = Callable[[EngineConfig, JobManifest], Engine]
-
-
-class EngineLoadFailed(AnexError):
-    """The engine could not be loaded (e.g. the model is missing, its configuration is not one
-    vLLM accepts, or memory ran out): loading it again at once with the same settings would fail
-    the same way, so for :data:`FAILED_LOAD_KEPT_S` the same settings get the same failure."""
 
 
 def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
@@ -85,8 +78,6 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
                 engine = VllmLocalEngine(settings)
                 ready(engine)
         except Exception as exc:
-            from anex_pipeline.stopping import JobStopped
-
             progress.info("loading %s ended without an engine", settings.model_name, extra=_load_state(settings))
             if isinstance(exc, JobStopped):  # a stop signal cut the wait short: not a fault of the load
                 raise

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.engine.loader import EngineLoadFailed, progress
+from anex_pipeline.engine.loader import progress
 
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
 from anex_pipeline.engine.orphans import (
@@ -63,7 +63,7 @@ from anex_pipeline.engine.orphans import (
     signal_if_same,
     start_time,
 )
-from anex_pipeline.errors import AnexError, ExitCode
+from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0

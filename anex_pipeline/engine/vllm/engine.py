@@ -62,8 +62,8 @@ from anex_pipeline.engine.parsing import (
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.sharing import Lane, Lanes
 from anex_pipeline.engine.vllm import cpu_environment
-from anex_pipeline.engine.vllm.watchdog import EngineProcessDied, engine_gone, watch_engine
-from anex_pipeline.errors import AnexError
+from anex_pipeline.engine.vllm.watchdog import engine_gone, watch_engine
+from anex_pipeline.errors import AnexError, EngineProcessDied
 from anex_pipeline.media.audio import audio_problem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome

@@ -19,11 +19,7 @@ from multiprocessing import Pipe, connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from anex_pipeline.errors import AnexError
-
-
-class EngineProcessDied(AnexError, RuntimeError):
-    """vLLM's engine process ended during a call; the engine cannot be used any more."""
+from anex_pipeline.errors import EngineProcessDied
 
 
 def engine_processes(llm: Any) -> list[BaseProcess]:
