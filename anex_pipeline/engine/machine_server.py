@@ -64,6 +64,7 @@ from anex_pipeline.engine.orphans import (
     start_time,
 )
 from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
+from anex_pipeline.paths import machine_server_dir
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
@@ -103,15 +104,6 @@ class ServerState:
 
 
 _TYPES = {"pid": int, "start": int, "group": int, "port": int, "key": str, "model_name": str, "log": str, "token": str}
-
-
-def state_dir() -> Path:
-    """``$ANEX_MACHINE_SERVER_DIR`` if set (processes that must not meet the machine's usual
-    server, such as tests), else ``machine-server`` in the cache folder."""
-    from anex_pipeline.engine.models import cache_root
-
-    configured = os.environ.get("ANEX_MACHINE_SERVER_DIR")
-    return Path(configured).expanduser() if configured else cache_root() / "machine-server"
 
 
 def settings_key(settings: Any) -> str:
@@ -284,7 +276,7 @@ def server_for(
     (which raises in a step waiting for its engine) cuts them short."""
     from filelock import FileLock
 
-    folder = private_folder(folder or state_dir())
+    folder = private_folder(folder or machine_server_dir())
     lock = FileLock(str(folder / "lock"))
     key = settings_key(settings)
     with lock:  # the lock polls in short sleeps: a stop signal still gets through
@@ -403,7 +395,7 @@ def stop_server(folder: Path | None = None) -> ServerState | None:
     """Stops this machine's model server, if one runs; returns what it was."""
     from filelock import FileLock
 
-    folder = folder or state_dir()
+    folder = folder or machine_server_dir()
     if not (folder / "lock").exists():
         return None
     with FileLock(str(private_folder(folder) / "lock")):
