@@ -266,7 +266,7 @@ def test_a_kv_cache_smaller_than_the_models_context_cuts_it_and_the_report_says_
     )
     try:
         engine = load_engine(given)
-        section = engine.report_section  # type: ignore[attr-defined]
+        section = engine.report_section()
         cache = engine.llm.llm_engine.vllm_config.cache_config  # type: ignore[attr-defined]
         assert section["max_model_len_source"] == "kv_cache"
         assert section["max_model_len"] <= cache.num_gpu_blocks * cache.block_size < 8192

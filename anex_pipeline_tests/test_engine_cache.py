@@ -3,18 +3,27 @@ engine that died replaced by a new one on the next request for it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from anex_pipeline.engine import loader
+from anex_pipeline.engine.base import Engine, EngineRequest
 from anex_pipeline.engine.loader import load_engine, release_engines
 from anex_pipeline.engine.vllm.engine import EngineSettings
+from anex_pipeline.spec import RowOutcome
 
 
-class StubEngine:
+class StubEngine(Engine):
+    """Stands in for the vLLM engine class: the loader's cache only builds, marks and shuts engines down."""
+
     def __init__(self, settings: EngineSettings):
         self.model_name = settings.model_name
         self.dead = False
         self.stopped = False
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        raise AssertionError("the cache's tests never run rows")
 
     def shutdown(self) -> None:
         self.stopped = True

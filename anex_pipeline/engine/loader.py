@@ -29,7 +29,6 @@ from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
     "engine_for",
-    "engine_report",
     "load_engine",
     "machine_engine",
     "register_engine",
@@ -52,7 +51,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
     first so two models never hold memory at once. An HTTP engine is only a client of its server."""
     with _lock:
-        if settings in _loaded and getattr(_loaded[settings], "dead", False):
+        if settings in _loaded and _loaded[settings].dead:
             progress.info("the engine for %s died; loading it again", _loaded[settings].model_name)
             _shutdown(_loaded.pop(settings))
         if settings in _loaded:
@@ -110,12 +109,10 @@ def release_engines() -> None:
 
 
 def _shutdown(engine: Engine) -> None:
-    stop = getattr(engine, "shutdown", None)
-    if stop is not None:
-        try:
-            stop()
-        except Exception as exc:  # a dead engine may fail to stop cleanly; it is dropped all the same
-            progress.info("shutting down %s failed: %s", engine.model_name, exc)
+    try:
+        engine.shutdown()
+    except Exception as exc:  # a dead engine may fail to stop cleanly; it is dropped all the same
+        progress.info("shutting down %s failed: %s", engine.model_name, exc)
 
 
 def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings:
@@ -201,7 +198,7 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -
     shared = config.model_copy(update={"kind": "http", "base_url": server.url, "api_key": server.token})
     engine = _http_engine(shared, manifest)
     given = engine_kwargs(settings, machine_server.cpu_build())
-    engine.report_section = {  # type: ignore[attr-defined]
+    engine.server_account = {
         "kind": "machine_server",
         "model": settings.model_name,
         "server": server.url,
@@ -209,14 +206,3 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -
         "engine_args": {k: v for k, v in given.items() if k != "model"},
     }
     return engine
-
-
-def engine_report(engine: Engine) -> dict[str, Any]:
-    """The report's account of an engine: the in-process engine's and the machine server's own
-    (kind, model, vLLM version, every argument it was built with), or where a server is."""
-    section = getattr(engine, "report_section", None)
-    if section is not None:
-        return section
-    if isinstance(engine, OpenAIHttpEngine):
-        return {"kind": "http", "model": engine.model_name, "servers": engine.root}
-    return {"kind": type(engine).__name__, "model": engine.model_name}

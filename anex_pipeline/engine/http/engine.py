@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
+from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, unit_vector
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.errors import AnexError, RowErrorType
@@ -91,7 +91,7 @@ class _Tried:
     reason: str = ""
 
 
-class OpenAIHttpEngine:
+class OpenAIHttpEngine(Engine):
     """Runs rows on one or several OpenAI-compatible HTTP servers serving the same model."""
 
     def __init__(self, settings: HttpSettings):
@@ -115,6 +115,9 @@ class OpenAIHttpEngine:
         self.root = ", ".join(s.root for s in servers)
         self.pool = ServerPool(servers, per_server, settings.policy)
         self.model_name = ""
+        # The machine server's account of itself when the loader started the server behind this
+        # engine (the report then shows it instead of the address).
+        self.server_account: dict[str, Any] | None = None
         try:
             self._first_contact()
         except BaseException:
@@ -124,6 +127,11 @@ class OpenAIHttpEngine:
     def shutdown(self) -> None:
         for server in self.pool.servers:
             server.client.close()
+
+    def report_section(self) -> dict[str, Any]:
+        if self.server_account is not None:
+            return self.server_account
+        return {"kind": "http", "model": self.model_name, "servers": self.root}
 
     def served_rows(self) -> dict[str, int]:
         """Rows each server answered over the engine's life."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.engine.base import (
+    Engine,
     EngineRequest,
     StopCheck,
     collect,
@@ -142,7 +143,7 @@ class RequestProblem(AnexError):
         self.code = code
 
 
-class VllmLocalEngine:
+class VllmLocalEngine(Engine):
     """Runs rows through ``vllm.LLM`` in this process."""
 
     def __init__(self, settings: EngineSettings):
@@ -162,7 +163,7 @@ class VllmLocalEngine:
         self.tokenizer = self.llm.get_tokenizer()
         config = self.llm.llm_engine.model_config
         self.max_model_len: int = config.max_model_len
-        self.report_section = _report_section(settings, given, config)
+        self._report = _report_section(settings, given, config)
         self.defaults: dict[str, Any] = dict(config.get_diff_sampling_param())
         self.dead = False
         self._request_ids = itertools.count()
@@ -180,6 +181,9 @@ class VllmLocalEngine:
         if tags is not None:
             ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
             self.thinking = ThinkingIds(*ids, notice=self.tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
+
+    def report_section(self) -> dict[str, Any]:
+        return self._report
 
     def shutdown(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
