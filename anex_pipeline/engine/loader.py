@@ -67,7 +67,8 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
             raise EngineLoadFailed(failed[1])
         for other in list(_loaded):
             _shutdown(_loaded.pop(other))
-        from anex_pipeline.engine.vllm.engine import VllmLocalEngine, one_line
+        from anex_pipeline.engine.vllm.engine import VllmLocalEngine
+        from anex_pipeline.engine.vllm.stepping import one_line
 
         guard_descendants()  # vLLM's processes must not outlive this one, however it ends
         started = time.monotonic()

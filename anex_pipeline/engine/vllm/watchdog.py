@@ -22,6 +22,25 @@ from typing import Any
 from anex_pipeline.errors import EngineProcessDied
 
 
+class EngineWatch:
+    """Whether an engine's vLLM engine process has died, as the calls it watched found."""
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    @contextmanager
+    def call(self, llm: Any) -> Iterator[None]:
+        """Runs the body under :func:`watch_engine`: a dead engine process fails the call instead
+        of hanging it, and marks the engine dead for good (the loader then replaces it, so the
+        shard's retry gets a new one)."""
+        try:
+            with watch_engine(llm):
+                yield
+        except EngineProcessDied:
+            self.dead = True
+            raise
+
+
 def engine_processes(llm: Any) -> list[BaseProcess]:
     """The EngineCore processes of a ``vllm.LLM`` (none when the core runs in this process)."""
     client = llm.llm_engine.engine_core
