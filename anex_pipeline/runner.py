@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import dagster as dg
 
-from anex_pipeline.engine import release_engines
 from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import release_engines
 from anex_pipeline.errors import AnexError
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions

@@ -22,8 +22,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
 
-from anex_pipeline.engine.watchdog import EngineProcessDied
-from anex_pipeline.errors import AnexError
+from anex_pipeline.errors import EngineProcessDied, JobStopped
 from anex_pipeline.workdir.manifest import JobDir
 
 T = TypeVar("T")
@@ -35,10 +34,6 @@ FIRST_SIGNAL_LINE = (
     b"[anex] stopping: aborting the rows in flight and keeping the finished ones "
     b"(press Ctrl-C again to quit at once; the checkpoints are safe and a rerun resumes)\n"
 )
-
-
-class JobStopped(AnexError):
-    """The job was asked to stop (cancelled or out of time); finished rows are kept."""
 
 
 _asked: dict[str, str] = {}  # job folder -> reason, for the stops asked in this process

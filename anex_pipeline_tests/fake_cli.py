@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 
 from anex_pipeline import cli
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline_tests.fakes import FakeEngine
 

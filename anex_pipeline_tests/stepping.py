@@ -8,8 +8,8 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, StopCheck
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline_tests.fakes import FakeEngine, fake_engine

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, engine_failure
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.assets import generations
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner

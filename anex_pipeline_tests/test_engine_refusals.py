@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.engine.vllm.engine import VllmLocalEngine
 from anex_pipeline.options import job_options
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.submit import prepare_job

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine import EngineConfig
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner

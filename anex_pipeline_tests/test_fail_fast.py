@@ -19,9 +19,9 @@ from typing import Any
 import boto3
 import pytest
 
-from anex_pipeline import engine as engine_module
 from anex_pipeline.cli import main
-from anex_pipeline.engine import models, vllm_local
+from anex_pipeline.engine import loader, models
+from anex_pipeline.engine.vllm import engine as vllm_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
@@ -148,8 +148,8 @@ class _UnloadableEngine:
 def test_an_engine_that_cannot_load_fails_the_job_once_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", _UnloadableEngine)
-    monkeypatch.setattr(engine_module, "_failed", {}, raising=False)  # a fresh memory of failed loads
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", _UnloadableEngine)
+    monkeypatch.setattr(loader, "_failed", {}, raising=False)  # a fresh memory of failed loads
     (tmp_path / "model").mkdir()
     src = write_jsonl(tmp_path / "in.jsonl", rows(4))
     argv = ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", str(tmp_path / "model")]
@@ -366,7 +366,7 @@ def test_bad_request_bodies_are_refused_at_submit_line_by_line(
         raise AssertionError("a refused job reached the engine or the Dagster steps")
 
     monkeypatch.setattr(JobRunner, "_execute", no_engine)
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", no_engine)
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", no_engine)
     src = write_jsonl(tmp_path / "in.jsonl", BAD_BODIES)
     argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl")] if command == "run" else [])
     assert main(argv) == 2
@@ -406,9 +406,9 @@ def test_a_real_engine_that_refuses_its_configuration_fails_once(
 ) -> None:
     """vLLM refuses a context longer than the model's: the job fails with that reason, no retry."""
     loads = []
-    real = vllm_local.VllmLocalEngine
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", lambda settings: loads.append(settings) or real(settings))
-    monkeypatch.setattr(engine_module, "_failed", {}, raising=False)  # a fresh memory of failed loads
+    real = vllm_engine.VllmLocalEngine
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", lambda settings: loads.append(settings) or real(settings))
+    monkeypatch.setattr(loader, "_failed", {}, raising=False)  # a fresh memory of failed loads
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     argv = ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--max-tokens", "8", "--quiet"]
     started = time.monotonic()

@@ -25,18 +25,18 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine import EngineConfig
 from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
-from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import (
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.http.engine import (
     HttpSettings,
     OpenAIHttpEngine,
     ServerUnavailable,
     named_context_error,
     row_error,
 )
-from anex_pipeline.engine.replicas import ServersDown
+from anex_pipeline.engine.http.replicas import ServersDown
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner

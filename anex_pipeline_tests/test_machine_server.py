@@ -25,7 +25,8 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.cli import main as cli_main
-from anex_pipeline.engine import _loaded, machine_server
+from anex_pipeline.engine import machine_server
+from anex_pipeline.engine.loader import _loaded
 from anex_pipeline.engine.machine_server import (
     ServerBusy,
     UnsafeStateFolder,
@@ -39,14 +40,14 @@ from anex_pipeline.engine.machine_server import (
 )
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descendants, running, signal_if_same, start_time
-from anex_pipeline.engine.vllm_local import EngineSettings
+from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_sensors import Deployment
 
 SETTINGS_CODE = (
-    "from anex_pipeline.engine.vllm_local import EngineSettings\n"
+    "from anex_pipeline.engine.vllm.engine import EngineSettings\n"
     "from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path\n"
     "settings = EngineSettings(model=str(local_model_path(DEFAULT_CHAT_MODEL)), model_name=DEFAULT_CHAT_MODEL,"
     " max_model_len=2048)\n"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.base import Engine, EngineRequest
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.parsing import (
     BUDGET_NOTICE,
@@ -327,7 +327,7 @@ def test_counting_thinking_tokens() -> None:
 # -- estimating the thinking budget --------------------------------------------------------------
 
 
-class ThinkingStubEngine:
+class ThinkingStubEngine(Engine):
     """Answers every row with a known number of thinking and answer tokens (row index based)."""
 
     model_name = "stub"

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from anex_pipeline.cli import main
+from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.http.replicas import ServersDown, server_urls
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
 from anex_pipeline.engine.orphans import signal_child_group
-from anex_pipeline.engine.replicas import ServersDown, server_urls
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl

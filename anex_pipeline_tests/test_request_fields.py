@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest, resolve_request
-from anex_pipeline.engine.openai_http import request_body
+from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.structured import mark_completion
-from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, fields_of
 from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
@@ -62,11 +62,9 @@ APPLIED_ELSEWHERE = {
 }
 
 
-def local_engine() -> VllmLocalEngine:
-    """The in-process engine's request building, without a loaded model."""
-    engine = object.__new__(VllmLocalEngine)
-    engine.max_model_len, engine.defaults, engine.keep_special_tokens, engine.thinking = 2048, {}, False, None
-    return engine
+def local_sampler() -> Sampler:
+    """The in-process engine's sampling parameters, without a loaded model."""
+    return Sampler(max_model_len=2048, defaults={}, keep_special_tokens=False, thinking=None)
 
 
 def resolved(endpoint: str, **fields: Any) -> EngineRequest:
@@ -78,7 +76,7 @@ def resolved(endpoint: str, **fields: Any) -> EngineRequest:
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
 def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> None:
-    engine = local_engine()
+    sampler = local_sampler()
     logprobs = {"logprobs": True, "top_logprobs": 4} if endpoint == CHAT else {"logprobs": 4}
     accepted = set(fields_of(endpoint))
     # every field is either shown here to reach the sampler, or says where else it acts
@@ -87,15 +85,15 @@ def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> 
         value, attribute, expected = SAMPLED[name]
         extra = {"temperature": 0.7} if name == "n" else {}
         req = resolved(endpoint, **{name: value}, **extra)
-        params = engine._sampling_params(req, prompt_len=5)
+        params = sampler.params(req, prompt_len=5)
         assert getattr(params, attribute) == expected, name
         sent = request_body(req, "m")
         assert sent["max_tokens" if attribute == "max_tokens" else name] == value, name
     req = resolved(endpoint, **logprobs)
-    assert engine._sampling_params(req, prompt_len=5).logprobs == 4
+    assert sampler.params(req, prompt_len=5).logprobs == 4
     assert {k: request_body(req, "m")[k] for k in logprobs} == logprobs
     req = resolved(endpoint, structured_outputs={"choice": ["yes", "no"]})
-    assert engine._sampling_params(req, prompt_len=5).structured_outputs.choice == ["yes", "no"]
+    assert sampler.params(req, prompt_len=5).structured_outputs.choice == ["yes", "no"]
     assert request_body(req, "m")["structured_outputs"] == {"choice": ["yes", "no"]}
 
 

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.options import MAX_OPTIONS_BYTES
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings

@@ -19,14 +19,14 @@ import pytest
 
 from anex_pipeline import stopping
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.errors import EngineProcessDied, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
+from anex_pipeline.stopping import request_stop, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine
@@ -200,7 +200,7 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
 
 
 def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_in_flight() -> None:
-    from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
+    from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
     from anex_pipeline_tests.test_http_engine import FakeServer
 
     server = FakeServer()

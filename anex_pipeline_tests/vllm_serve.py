@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from anex_pipeline.engine.cpu_environment import engine_environment
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.orphans import signal_child_group
+from anex_pipeline.engine.vllm.cpu_environment import engine_environment
 
 START_TIMEOUT_S = 300.0
 

@@ -33,14 +33,14 @@ from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
 from anex_pipeline.batch_api.store import Store
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
-from anex_pipeline.errors import AnexError, RowErrorType
+from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
 from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline.stopping import JobStopped, clear_stop, engine_loading, on_stop_signals, request_stop
+from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 
 log = logging.getLogger("anex_pipeline.batch_api")

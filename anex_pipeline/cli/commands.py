@@ -63,9 +63,9 @@ def _instance() -> Any:
     from dagster._core.instance.ref import InstanceRef
     from sqlalchemy.exc import DBAPIError
 
-    from anex_pipeline.engine.models import cache_root
+    from anex_pipeline.paths import dagster_home
 
-    home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
+    home = dagster_home()
     os.environ["DAGSTER_HOME"] = str(home)
     try:
         home.mkdir(parents=True, exist_ok=True)
@@ -108,8 +108,9 @@ def _progress_logging(quiet: bool) -> None:
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
     from anex_pipeline.engine.config import EngineConfig
+    from anex_pipeline.paths import default_work_root
     from anex_pipeline.runner import JobRunner
-    from anex_pipeline.storage import StorageConfig, default_work_root
+    from anex_pipeline.storage import StorageConfig
     from anex_pipeline.workdir import layout
 
     # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
@@ -143,7 +144,7 @@ def _runner(args: argparse.Namespace) -> Any:
 
 def _base_url(given: list[str] | None) -> str | None:
     """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
-    from anex_pipeline.engine.replicas import server_urls
+    from anex_pipeline.engine.http.replicas import server_urls
 
     try:
         return ",".join(server_urls(given)) or None
@@ -444,7 +445,7 @@ def _ending_on_signals() -> Iterator[None]:
 
 
 def _work_root(args: argparse.Namespace) -> Path:
-    from anex_pipeline.storage import default_work_root
+    from anex_pipeline.paths import default_work_root
 
     return Path(args.work_dir or default_work_root()).expanduser()
 
@@ -499,9 +500,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_machine_server(args: argparse.Namespace) -> int:
-    from anex_pipeline.engine.machine_server import alive, read_state, state_dir, stop_server
+    from anex_pipeline.engine.machine_server import alive, read_state, stop_server
+    from anex_pipeline.paths import machine_server_dir
 
-    folder = state_dir()
+    folder = machine_server_dir()
     state = read_state(folder)
     running = state is not None and alive(state)
     if args.action == "stop" and state is not None:

@@ -36,7 +36,6 @@ import httpcore
 import httpx
 
 from anex_pipeline import metrics
-from anex_pipeline.engine.models import cache_root
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.guard import (
     _client,
@@ -47,6 +46,7 @@ from anex_pipeline.media.guard import (
 )
 from anex_pipeline.media.refs import MediaRef, fetch_problem
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
+from anex_pipeline.paths import media_cache_dir
 from anex_pipeline.spec import MediaOptions
 
 MAX_REDIRECTS = 5
@@ -61,12 +61,6 @@ SPOOL_IN_MEMORY_BYTES = 8 * 2**20  # a download larger than this is spooled to a
 # error") or its database locked by a write that could not finish.
 CACHE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 T = TypeVar("T")
-
-
-def media_cache_dir() -> Path:
-    """Where downloaded media are kept: ``$ANEX_MEDIA_CACHE_DIR``, else ``<cache_root>/media``."""
-    configured = os.environ.get("ANEX_MEDIA_CACHE_DIR")
-    return Path(configured).expanduser() if configured else cache_root() / "media"
 
 
 class _OutOfTime(Exception):

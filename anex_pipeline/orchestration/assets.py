@@ -18,7 +18,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
-from anex_pipeline.engine import EngineLoadFailed
+from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.partitions import (
     across_jobs_and_shards,
@@ -36,7 +36,7 @@ from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.ledger import account_rows
 from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
+from anex_pipeline.stopping import load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir

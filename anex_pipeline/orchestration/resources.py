@@ -8,7 +8,9 @@ import os
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineConfig, engine_for, engine_report, machine_engine, release_engines
+from anex_pipeline.engine.base import Engine
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import engine_for, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -62,7 +64,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         else:
             engine = engine_for(self.plain(), manifest)
         if job is not None:
-            record_engine(job, engine_report(engine))
+            record_engine(job, engine.report_section())
         return engine
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
