@@ -15,7 +15,7 @@ from anex_pipeline.cli.commands import TERMINAL_OUTPUT
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
-from anex_pipeline_tests.fakes import fake_engine
+from anex_pipeline.testing import fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
 # An instance for Dagster's own commands (webserver, `dagster job backfill`) with no daemon: its
@@ -94,7 +94,7 @@ def real_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRunner]
 def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random vision-language model (see tiny_models.py), built once per test session.
     Jobs that name it (the ``model`` option) share one loaded engine, like the embedded model's."""
-    from anex_pipeline_tests.tiny_models import build_tiny_vision_model
+    from anex_pipeline_tests.harness.tiny_models import build_tiny_vision_model
 
     return build_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-idefics3")
 
@@ -102,7 +102,7 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def audio_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random audio-language model (see tiny_models.py), built once per test session."""
-    from anex_pipeline_tests.tiny_models import build_tiny_audio_model
+    from anex_pipeline_tests.harness.tiny_models import build_tiny_audio_model
 
     return build_tiny_audio_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-audio")
 

@@ -41,11 +41,11 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline.stages import submit as submit_stage
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.fakes import fake_engine
+from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.test_media import MediaServer, image, media_row
 
 KEY_A = "sk-test-alice-0123456789"
@@ -735,7 +735,7 @@ def serve_process(
         "NO_PROXY": "127.0.0.1",
         **(env or {}),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", "serve", "--port", str(port)]
     with (tmp_path / "serve.log").open("ab") as log:
         process = subprocess.Popen(
             [*command, "--work-dir", str(tmp_path / "work"), *flags],

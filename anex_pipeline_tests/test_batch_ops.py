@@ -33,8 +33,8 @@ from anex_pipeline.batch_api.webhooks import WebhookSettings
 from anex_pipeline.engine import register_engine
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
+from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline_tests.conftest import write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 from anex_pipeline_tests.test_batch_api import (
     KEY_A,
     client,
@@ -353,7 +353,15 @@ def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "ANEX_FAKE_ROW_DELAY_S": "0.1"}
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(tmp_path / "out.jsonl")]
+    command = [
+        sys.executable,
+        "-m",
+        "anex_pipeline_tests.harness.fake_cli",
+        "run",
+        str(src),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+    ]
     flags = ["--max-tokens", "4", "--set", "checkpoint_rows=1", "--metrics-port", str(port)]
     with (tmp_path / "run.log").open("wb") as log:
         process = subprocess.Popen(

@@ -305,7 +305,7 @@ def test_generation_figures_reach_the_materialization_and_the_run_log(
 ) -> None:
     from anex_pipeline.orchestration.resources import StorageResource
     from anex_pipeline.runner import JobRunner
-    from anex_pipeline_tests.fakes import fake_engine
+    from anex_pipeline.testing import fake_engine
 
     rows = [chat_row(f"r{i}", " ".join(["w"] * (i % 7 + 1))) for i in range(30)] + [chat_row("long", "w " * 300)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -29,7 +29,7 @@ def cli(tmp: Path, *args: str, delay: float = 0.0) -> subprocess.Popen[str]:
         "DAGSTER_HOME": str(tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", *args, "--quiet"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

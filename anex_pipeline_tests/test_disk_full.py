@@ -48,7 +48,7 @@ def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0, home: Path | None
         "DAGSTER_HOME": str(home or tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", *args, "--quiet"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from anex_pipeline.engine import EngineConfig, EngineLoadFailed, engine_for, register_engine
 from anex_pipeline.orchestration.resources import EngineResource
+from anex_pipeline.testing import FakeEngine
 from anex_pipeline.workdir.manifest import JobManifest, ShardRange
-from anex_pipeline_tests.fakes import FakeEngine
 
 
 def manifest(model_name: str = "m") -> JobManifest:

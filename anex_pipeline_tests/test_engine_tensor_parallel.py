@@ -18,8 +18,8 @@ import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
 from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.tiny_models import build_tiny_model
 from anex_pipeline_tests.test_engine_orphans import names
-from anex_pipeline_tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.engine
 

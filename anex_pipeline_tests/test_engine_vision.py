@@ -33,10 +33,10 @@ from anex_pipeline_tests.conftest import (
     run_job,
     write_jsonl,
 )
+from anex_pipeline_tests.harness.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 from anex_pipeline_tests.test_batch_api import content, wait
 from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
 from anex_pipeline_tests.test_stop_real import Served
-from anex_pipeline_tests.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 
 pytestmark = pytest.mark.engine
 

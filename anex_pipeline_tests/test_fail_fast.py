@@ -20,13 +20,13 @@ import boto3
 import pytest
 
 from anex_pipeline import engine as engine_module
+from anex_pipeline import testing
 from anex_pipeline.cli import main
 from anex_pipeline.engine import models, vllm_local
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.storage import output_problem
-from anex_pipeline_tests import fakes
 from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
 from anex_pipeline_tests.test_batch_api import client, serving, submit, wait
 from anex_pipeline_tests.test_sensors import s3_endpoint  # noqa: F401  (a fixture)
@@ -122,7 +122,7 @@ def test_a_job_sent_to_a_model_server_does_not_look_for_its_model_here(
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     with pytest.raises(JobRejected, match=ABSENT):
         fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT})
-    http = JobRunner(instance, fake_runner.storage, fakes.fake_engine(base_url="http://127.0.0.1:9"))
+    http = JobRunner(instance, fake_runner.storage, testing.fake_engine(base_url="http://127.0.0.1:9"))
     assert http.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT}).manifest().model == ABSENT
     http.close()
 
@@ -386,7 +386,7 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     from anex_pipeline.runner import _first_error
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
-    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), fakes.fake_engine(base_url=base_url))
+    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), testing.fake_engine(base_url=base_url))
     instance.add_dynamic_partitions(JOBS, ["ui-job"])
     config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"model": ABSENT}}
     result = defs.resolve_job_def("submit_job").execute_in_process(

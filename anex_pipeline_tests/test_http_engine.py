@@ -43,7 +43,7 @@ from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.vllm_serve import free_port, vllm_servers
+from anex_pipeline_tests.harness.vllm_serve import free_port, vllm_servers
 
 SERVED = "served-model"
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}

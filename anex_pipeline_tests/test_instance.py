@@ -52,7 +52,15 @@ def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
 
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
     run = subprocess.run(
-        [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(tmp_path / "out.jsonl")],
+        [
+            sys.executable,
+            "-m",
+            "anex_pipeline_tests.harness.fake_cli",
+            "run",
+            str(src),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+        ],
         env={**env, "ANEX_WORK_DIR": str(tmp_path / "work")},
         capture_output=True,
         text=True,

@@ -110,7 +110,7 @@ def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_
 def run_multiprocess(deployment: Deployment, request: dg.RunRequest) -> dg.DagsterRun:
     """Runs what the driver asked for as the daemon would: each step in a process of its own."""
     job = dg.build_reconstructable_job(
-        "anex_pipeline_tests.shared_engine_location",
+        "anex_pipeline_tests.harness.shared_engine_location",
         "job_named",
         reconstructable_args=(request.job_name,),
         reconstructor_working_directory=str(REPO),
@@ -128,7 +128,7 @@ def test_a_jobs_step_processes_share_one_loaded_engine(
 ) -> None:
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("ANEX_EXECUTOR", "multiprocess")  # each step a process of its own
-    from anex_pipeline_tests.shared_engine_location import defs
+    from anex_pipeline_tests.harness.shared_engine_location import defs
 
     deployment = Deployment(defs, instance)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"Count to {i}.") for i in range(6)])
@@ -156,7 +156,7 @@ def test_a_jobs_step_processes_share_one_loaded_engine(
 
 
 # -- fast tests: real supervisors over a stand-in server, real processes, real loopback servers --
-FAKE_SERVER = Path(__file__).with_name("fake_model_server.py")
+FAKE_SERVER = Path(__file__).parent / "harness" / "fake_model_server.py"
 
 
 @pytest.fixture

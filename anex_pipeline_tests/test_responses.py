@@ -15,8 +15,8 @@ from openai.types.responses import Response
 from anex_pipeline.responses import chat_body
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
+from anex_pipeline.testing import shared_fake_engine
 from anex_pipeline_tests.conftest import read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import shared_fake_engine
 from anex_pipeline_tests.test_media import MediaServer
 
 

@@ -24,9 +24,9 @@ from anex_pipeline.orchestration.retention import RetentionSettings
 from anex_pipeline.orchestration.runs import job_of_run
 from anex_pipeline.retention import parse_age, prune
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_batch_api import KEY_B, client, serving, slow_runner, submit, wait
 
 ASSETS = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]

@@ -22,8 +22,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
+from anex_pipeline.testing import fake_engine
 from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
 from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
 from anex_pipeline_tests.test_sensors import Deployment
 from anex_pipeline_tests.test_webserver import ADD_PARTITION, LOCATION_QUERY, serving, step_errors, wait_for_run

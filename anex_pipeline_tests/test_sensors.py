@@ -32,8 +32,8 @@ from anex_pipeline.orchestration.retries import RetrySettings
 from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "batches"
@@ -564,7 +564,17 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"c{i}", f"question {i}", max_tokens=9) for i in range(8)])
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "ANEX_WORK_DIR": str(work), "DAGSTER_HOME": str(home), "ANEX_FAKE_ROW_DELAY_S": "10"}
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(out), "--shards", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "anex_pipeline_tests.harness.fake_cli",
+        "run",
+        str(src),
+        "-o",
+        str(out),
+        "--shards",
+        "2",
+    ]
     with local_instance(str(home), set_dagster_home=True) as instance:
         deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine()), instance)
         cli = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

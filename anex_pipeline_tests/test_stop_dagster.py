@@ -43,7 +43,7 @@ def messages(ws: Webserver, run_id: str) -> list[str]:
 def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_path: Path) -> None:
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(
-        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.stepping\n"
+        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.harness.stepping\n"
         f"      working_directory: {REPO}\n"
     )
     with serving(tmp_path, workspace, ANEX_FAKE_STEP_S="0.05") as ws:  # 400 rows take 20 s

@@ -27,10 +27,10 @@ from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.stepping import STEPPING, SteppingEngine, stepping
+from anex_pipeline_tests.harness.stepping import STEPPING, SteppingEngine, stepping
 
 ROWS = 40
 

@@ -28,12 +28,12 @@ from anex_pipeline.orchestration.retention import RetentionSettings
 from anex_pipeline.retention import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, take_lease, try_lease
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.fakes import fake_engine
+from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.test_batch_api import client, serving, submit, wait_for_rows
 from anex_pipeline_tests.test_retention import DAY, anex, home, make_old, partitions_of, run_cli_job
 
@@ -379,7 +379,7 @@ def slow_exit(tmp_path: Path) -> Iterator[list[str]]:
         "    print('exiting', file=sys.stderr, flush=True)\n"
         "    time.sleep(20)\n"
         "atexit.register(slow)\n"
-        "import anex_pipeline_tests.fake_cli\n"
+        "import anex_pipeline_tests.harness.fake_cli\n"
         "from anex_pipeline.cli import entry\n"
         "entry()\n",
     ]

@@ -12,7 +12,7 @@ from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, StopCheck
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
+from anex_pipeline.testing import FakeEngine, fake_engine
 
 
 class SteppingEngine(FakeEngine):
