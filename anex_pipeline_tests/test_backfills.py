@@ -25,7 +25,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline.workdir.manifest import unfinished_shards
-from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
+from anex_pipeline_tests.harness.jobs import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
 
 
 class FlakyEngine(FakeEngine):

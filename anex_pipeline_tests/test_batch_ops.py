@@ -34,20 +34,17 @@ from anex_pipeline.engine import register_engine
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline.testing import FakeEngine, fake_engine
-from anex_pipeline_tests.conftest import write_jsonl
-from anex_pipeline_tests.test_batch_api import (
+from anex_pipeline_tests.harness.batch_api import (
     KEY_A,
     client,
     rows,
     serve_process,
     serving,
-    slow_runner,
     submit,
     wait,
     wait_for_rows,
 )
-
-__all__ = ["slow_runner"]  # a fixture shared with the Batch API tests
+from anex_pipeline_tests.harness.jobs import write_jsonl
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -411,7 +408,7 @@ def test_a_busy_or_impossible_metrics_port_is_refused_in_one_line(
 
 def test_media_fetches_count_downloads_hits_and_failures(media_server: Any) -> None:
     from anex_pipeline.media.fetcher import MediaFetcher, MediaFetchError
-    from anex_pipeline_tests.test_media import allowing
+    from anex_pipeline_tests.harness.media import allowing
 
     def counted() -> tuple[float, float, float]:
         figures = {

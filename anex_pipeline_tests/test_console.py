@@ -24,8 +24,8 @@ from anex_pipeline.console import (
     summary_lines,
 )
 from anex_pipeline.spec import JobReport, RequestCounts, Throughput, Usage
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.test_stop_real import COMMAND, story_rows
+from anex_pipeline_tests.harness.commands import COMMAND, story_rows
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 
 class FakeClock:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.formats import arrow_checkpoint
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 ROWS = 900
 

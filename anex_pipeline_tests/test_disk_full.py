@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 ROWS = 300
 

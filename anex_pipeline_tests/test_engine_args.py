@@ -29,7 +29,7 @@ from anex_pipeline.engine.engine_args import (
 from anex_pipeline.engine.machine_server import server_command, settings_key
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
 
 
 def settings(**args: Any) -> EngineSettings:

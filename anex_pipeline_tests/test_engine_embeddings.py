@@ -15,7 +15,7 @@ from openai.types import CreateEmbeddingResponse
 from anex_pipeline.engine.models import embedding_model_dir
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

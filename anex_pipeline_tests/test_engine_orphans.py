@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.commands import names
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -47,16 +48,6 @@ class Run:
     def wait_for(self, text: str) -> None:
         if not self.seen[text].wait(600):
             pytest.fail(f"no '{text}' line in 600 s:\n{''.join(self.tail)}")
-
-
-def names(family: dict[int, int]) -> list[str]:
-    found = []
-    for pid in family:
-        try:
-            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
-        except OSError:
-            found.append("?")
-    return found
 
 
 def test_killed_run_leaves_no_process_behind(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.commands import names
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 from anex_pipeline_tests.harness.tiny_models import build_tiny_model
-from anex_pipeline_tests.test_engine_orphans import names
 
 pytestmark = pytest.mark.engine
 

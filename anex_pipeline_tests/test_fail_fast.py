@@ -27,9 +27,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.storage import output_problem
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_batch_api import client, serving, submit, wait
-from anex_pipeline_tests.test_sensors import s3_endpoint  # noqa: F401  (a fixture)
+from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 ABSENT = "no-such-org/no-such-model"
 
@@ -167,7 +166,7 @@ def test_an_engine_that_cannot_load_fails_the_job_once_with_its_reason(
 @pytest.mark.parametrize("cause", ["no-bucket", "no-credentials"])
 def test_an_unwritable_s3_output_is_refused_before_generation(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     cause: str,
@@ -215,7 +214,7 @@ def test_an_output_that_is_a_folder_or_under_a_read_only_one_is_refused(
 
 def test_run_and_validate_read_an_s3_input(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     fake_engine: None,

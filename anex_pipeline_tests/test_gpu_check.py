@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.cli.parser import build_parser
-from anex_pipeline_tests.conftest import REPO
+from anex_pipeline_tests.harness.jobs import REPO
 from bench import gpu_check
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 PROCESSES = 4
 # Each process imports everything first, says it is ready, then waits for the common start.

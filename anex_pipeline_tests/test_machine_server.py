@@ -42,8 +42,8 @@ from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descenda
 from anex_pipeline.engine.vllm_local import EngineSettings
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.runner import QUIET_LOGGERS
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_sensors import Deployment
+from anex_pipeline_tests.harness.deployment import Deployment
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 SETTINGS_CODE = (
     "from anex_pipeline.engine.vllm_local import EngineSettings\n"

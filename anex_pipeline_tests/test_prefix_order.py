@@ -16,7 +16,7 @@ from anex_pipeline import testing
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.prefix_order import PrefixCache, ordered, prefix_order, shared_blocks
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 SMALL = PrefixCache(block_tokens=4, capacity_tokens=8)
 DOCS, QUESTIONS = 6, 3

@@ -24,9 +24,9 @@ from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline.engine.replicas import ServersDown, server_urls
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.openai_server import FakeServer, request
 from anex_pipeline_tests.harness.vllm_serve import Served, free_port, vllm_servers
-from anex_pipeline_tests.test_http_engine import FakeServer, request
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from dagster_graphql import DagsterGraphQLClient
 from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.stopping import recorded_stop
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import REPO, chat_row, write_jsonl
-from anex_pipeline_tests.test_webserver import (
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, write_jsonl
+from anex_pipeline_tests.harness.webserver import (
     ADD_PARTITION,
     LOCATION_QUERY,
     Webserver,

@@ -29,7 +29,7 @@ from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
 from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, write_jsonl
 from anex_pipeline_tests.harness.stepping import STEPPING, SteppingEngine, stepping
 
 ROWS = 40
@@ -148,7 +148,7 @@ def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) 
 
 
 def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: Path) -> None:
-    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait, wait_for_rows
+    from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait, wait_for_rows
 
     rows = 60
     engine = stepping[0] = SteppingEngine(step_s=0.05)  # 3 s for the batch; default checkpoint_rows
@@ -175,7 +175,7 @@ def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: 
 
 
 def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait
+    from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait
 
     rows = 30
     stepping[0] = SteppingEngine(step_s=0.02)
@@ -201,7 +201,7 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
 
 def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_in_flight() -> None:
     from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
-    from anex_pipeline_tests.test_http_engine import FakeServer
+    from anex_pipeline_tests.harness.openai_server import FakeServer
 
     server = FakeServer()
     engine = OpenAIHttpEngine(HttpSettings(base_url=server.url, model_name="served-model", max_concurrency=4))

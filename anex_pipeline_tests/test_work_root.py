@@ -32,12 +32,10 @@ from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, take_lease, try_lease
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, write_jsonl
+from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait_for_rows
+from anex_pipeline_tests.harness.cli_jobs import DAY, anex, make_old, partitions_of, run_cli_job
 from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.test_batch_api import client, serving, submit, wait_for_rows
-from anex_pipeline_tests.test_retention import DAY, anex, home, make_old, partitions_of, run_cli_job
-
-__all__ = ["home"]  # a fixture shared with the retention tests
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, write_jsonl
 
 # The installed command's own entry point (``anex-pipeline``), in a process of its own.
 COMMAND = [sys.executable, "-m", "anex_pipeline.cli"]

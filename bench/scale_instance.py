@@ -54,7 +54,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
 from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobManifest, ShardRange
-from anex_pipeline_tests.conftest import chat_row
+from anex_pipeline_tests.harness.jobs import chat_row
 
 ROWS_PER_SHARD = 10
 STAGES = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
