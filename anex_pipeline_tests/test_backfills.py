@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, engine_failure
@@ -40,6 +41,7 @@ class FlakyEngine(FakeEngine):
 register_engine("flaky", lambda config, manifest: FlakyEngine(manifest.model_name))
 
 
+@pytest.mark.subprocess
 def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path) -> None:
     home, work = tmp_path / "dagster_home", tmp_path / "work"
     home.mkdir()

@@ -647,6 +647,7 @@ def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
         assert stored == {f.id for f in bob.files.list()}  # no bytes without a record either
 
 
+@pytest.mark.subprocess
 def test_after_a_sigkilled_serve_a_lost_job_breaks_no_listing_and_its_batch_comes_back(tmp_path: Path) -> None:
     """serve is SIGKILLed while two of Alice's batches generate, then their jobs' folders are
     removed (by hand, say) and one batch's own input copy too. On the next start both tenants'

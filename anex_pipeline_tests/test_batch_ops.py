@@ -189,6 +189,7 @@ def test_a_receiver_that_never_answers_holds_up_no_batch(tmp_path: Path, fake_ru
             silent.close()  # the waiting connection is reset: the service can stop
 
 
+@pytest.mark.subprocess
 def test_an_event_survives_a_receiver_that_is_down_and_a_restart_of_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -344,6 +345,7 @@ def test_a_running_batch_shows_its_usage_so_far(tmp_path: Path, slow_runner: Job
         wait(sdk, batch.id)
 
 
+@pytest.mark.subprocess
 def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(30))
     with socket.socket() as s:

@@ -195,6 +195,7 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
     assert "result      none published: no row has a result" in lines
 
 
+@pytest.mark.subprocess
 def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_path: Path) -> None:
     """Output below Python (a raw write to descriptor 2, a child process), vLLM-style logging to
     sys.__stderr__ and Python warnings land in the log; what we print to sys.stderr stays on the
@@ -230,6 +231,7 @@ OUR_LINE = re.compile(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.engine
 def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -> None:
     """The installed command on the real engine, stderr not a terminal: progress comes as rows
@@ -399,6 +401,7 @@ class Terminal:
         return code
 
 
+@pytest.mark.subprocess
 @pytest.mark.engine
 def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_path: Path) -> None:
     """The real command on the real engine under a pseudo-terminal, then piped: no row or rate

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
@@ -18,6 +20,7 @@ from anex_pipeline_tests.harness.jobs import chat_row, local_instance, write_jso
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.subprocess
 def test_workspace_loads_in_dagster(tmp_path: Path) -> None:
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
     done = subprocess.run(

@@ -139,12 +139,14 @@ def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
 def test_dockerfiles_pass_hadolint(name: str) -> None:
     result = hadolint(DEPLOY / name)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+@pytest.mark.subprocess
 def test_hadolint_with_our_settings_still_reports_problems(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install requests\n")

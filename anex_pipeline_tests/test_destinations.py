@@ -124,6 +124,7 @@ def test_refusal_names_what_would_be_overwritten(
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.subprocess
 def test_the_real_command_refuses_an_output_that_is_its_input(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "hi")])
     before = src.read_bytes()

@@ -50,6 +50,7 @@ class Run:
             pytest.fail(f"no '{text}' line in 600 s:\n{''.join(self.tail)}")
 
 
+@pytest.mark.subprocess
 def test_killed_run_leaves_no_process_behind(tmp_path: Path) -> None:
     # enough rows and tokens that the engine is still generating seconds after it is ready
     rows = [chat_row(f"r{i}", f"List animals ({i}).", max_tokens=96, temperature=0, ignore_eos=True) for i in range(64)]

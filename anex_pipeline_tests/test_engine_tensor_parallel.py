@@ -65,6 +65,7 @@ def wait_gone(family: dict[int, int], within_s: float) -> list[int]:
     return alive
 
 
+@pytest.mark.subprocess
 def test_a_tensor_parallel_engine_stops_on_ctrl_c_and_leaves_nothing_when_killed(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny")
     # Rows of growing lengths finish one after another (rows that run together and are equally

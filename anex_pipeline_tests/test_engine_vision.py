@@ -206,6 +206,7 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     assert lines["gone"]["error"]["type"] == "media_fetch_error"
 
 
+@pytest.mark.subprocess
 def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, media_server: MediaServer) -> None:
     """The openai SDK against ``anex-pipeline serve`` in its own process, which loads the model."""
     rows = [

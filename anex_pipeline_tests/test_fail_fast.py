@@ -58,6 +58,7 @@ def rows(n: int) -> list[dict[str, Any]]:
 # -- the model -------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_an_absent_model_is_refused_by_the_command_in_seconds(tmp_path: Path, command: str, offline: bool) -> None:

@@ -223,6 +223,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield served.url
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path, vllm_server: str) -> None:
     questions = ["What is the capital of France?", "Say hello.", "Name a colour."]

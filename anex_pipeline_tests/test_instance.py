@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 PROCESSES = 4
@@ -27,6 +29,7 @@ _instance().get_runs()
 """
 
 
+@pytest.mark.subprocess
 def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
     home = tmp_path / "dagster"
     env = {**os.environ, "DAGSTER_HOME": str(home)}

@@ -74,6 +74,8 @@ def wait_until(condition: object, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.subprocess
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_ends(server_dir: Path) -> None:
     code = SETTINGS_CODE + (
@@ -122,6 +124,7 @@ def run_multiprocess(deployment: Deployment, request: dg.RunRequest) -> dg.Dagst
         return result.dagster_run
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_a_jobs_step_processes_share_one_loaded_engine(
     tmp_path: Path, server_dir: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
@@ -201,6 +204,7 @@ def leader() -> Iterator[tuple[int, int]]:
         sleeper.wait()
 
 
+@pytest.mark.subprocess
 def test_a_state_naming_an_unrelated_group_leader_signals_nothing_of_it(
     server_dir: Path, leader: tuple[int, int]
 ) -> None:
@@ -216,6 +220,7 @@ def test_a_state_naming_an_unrelated_group_leader_signals_nothing_of_it(
         assert not (server_dir / "state.json").exists(), "and the state that named it is gone"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("finder", ["the next step", "machine-server stop"])
 def test_a_dead_supervisors_strays_are_ended_by_pid_and_start_time(
     server_dir: Path, fake_servers: Path, leader: tuple[int, int], finder: str
@@ -269,6 +274,7 @@ print("spared", flush=True)
 """
 
 
+@pytest.mark.subprocess
 def test_pids_0_and_1_in_a_state_are_refused_without_a_signal(server_dir: Path) -> None:
     """Run as pid 1 of a throwaway pid namespace: there, a signal to group 1 (``kill(-1)``) or to
     group 0 reaches only the namespace's processes, so a failure cannot harm the machine."""
@@ -322,6 +328,7 @@ def test_an_unreadable_state_counts_as_no_state(server_dir: Path) -> None:
         assert read_state(server_dir) is None
 
 
+@pytest.mark.subprocess
 def test_a_state_folder_or_file_others_can_write_is_refused(
     server_dir: Path, fake_servers: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -376,6 +383,7 @@ def other_program() -> Iterator[ThreadingHTTPServer]:
         thread.join()
 
 
+@pytest.mark.subprocess
 def test_a_forged_state_pointing_at_another_loopback_port_is_not_used(
     server_dir: Path, fake_servers: Path, other_program: ThreadingHTTPServer
 ) -> None:
@@ -399,6 +407,7 @@ def test_a_forged_state_pointing_at_another_loopback_port_is_not_used(
         named.wait()
 
 
+@pytest.mark.subprocess
 def test_a_step_gives_up_waiting_for_a_busy_server_of_other_settings(
     server_dir: Path, fake_servers: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -417,6 +426,7 @@ def test_a_step_gives_up_waiting_for_a_busy_server_of_other_settings(
     wait_until(lambda: not any(running(pid, start) for pid, start in first.processes), "the first server ended", 15)
 
 
+@pytest.mark.subprocess
 def test_a_supervisor_killed_with_sigkill_takes_its_server_along(server_dir: Path, fake_servers: Path) -> None:
     state = server_for(settings_of("a"), folder=server_dir)
     family = descendants(state.pid)

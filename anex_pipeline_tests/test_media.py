@@ -595,6 +595,7 @@ def fill(disk: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("cache", ["new", "existing"])
 def test_a_full_cache_disk_fails_no_row(
     tmp_path: Path, fake_runner: JobRunner, server: MediaServer, monkeypatch: pytest.MonkeyPatch, cache: str
@@ -617,6 +618,7 @@ def test_a_full_cache_disk_fails_no_row(
     assert sorted(line["custom_id"] for line in read_jsonl(out)) == sorted(r["custom_id"] for r in rows)
 
 
+@pytest.mark.subprocess
 def test_media_the_cache_cannot_store_are_still_handed_over(tmp_path: Path, server: MediaServer) -> None:
     url = server.url("/img/kept.png")
     with small_disk(tmp_path / "disk") as disk, MediaFetcher(allowing(server), disk / "media") as fetcher:
@@ -626,6 +628,7 @@ def test_media_the_cache_cannot_store_are_still_handed_over(tmp_path: Path, serv
     assert server.hits["/img/kept.png"] == 1
 
 
+@pytest.mark.subprocess
 def test_on_a_full_disk_only_media_too_large_for_memory_fail(tmp_path: Path, server: MediaServer) -> None:
     small, large = server.url("/img/small.png"), server.url("/huge.png")
     with small_disk(tmp_path / "disk") as disk:

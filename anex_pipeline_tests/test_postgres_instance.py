@@ -67,6 +67,7 @@ def dagster_home(tmp_path: Path, postgres: Server, database: str, monkeypatch: p
     return home
 
 
+@pytest.mark.postgres
 def test_a_job_runs_on_the_production_instance_and_lands_in_postgres(
     tmp_path: Path, dagster_home: Path, postgres: Server, database: str
 ) -> None:

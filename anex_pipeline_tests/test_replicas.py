@@ -162,6 +162,7 @@ def finished_requests(url: str) -> int:
     return int(sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_two_replicas_share_a_job_and_killing_one_mid_job_loses_no_row(tmp_path: Path, replicas: list[Served]) -> None:
     kept, killed = replicas

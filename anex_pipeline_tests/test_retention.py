@@ -82,6 +82,7 @@ def hold_lease(job: JobDir) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.subprocess
 def test_prune_removes_only_old_jobs_that_are_not_running(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

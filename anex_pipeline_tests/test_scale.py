@@ -169,6 +169,7 @@ query ($path: [String!]!) {
 """
 
 
+@pytest.mark.daemon
 def test_the_ui_shows_exactly_the_shards_a_job_has(tmp_path: Path) -> None:
     """Through a real webserver: a 3-shard job submitted from the launchpad shows 3 partitions of
     each per-shard asset and 1 of each job-level asset, with nothing counted missing beyond them."""

@@ -433,6 +433,7 @@ def test_a_shard_that_fails_for_good_does_not_stall_its_job(
     assert [r["custom_id"] for r in read_jsonl(out)] == [r["custom_id"] for r in rows]
 
 
+@pytest.mark.subprocess
 def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies(tmp_path: Path) -> None:
     home, work = tmp_path / "dagster", tmp_path / "work"
     home.mkdir()

@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.orchestration.partitions import job_shard_key
@@ -40,6 +41,7 @@ def messages(ws: Webserver, run_id: str) -> list[str]:
     return [e.get("message") or "" for e in ws.graphql(RUN_EVENTS, runId=run_id)["logsForRun"]["events"]]
 
 
+@pytest.mark.daemon
 def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_path: Path) -> None:
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(

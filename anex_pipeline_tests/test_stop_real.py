@@ -26,6 +26,7 @@ pytestmark = pytest.mark.engine
 ROWS = 100
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", story_rows(ROWS))
     out = tmp_path / "out.jsonl"
@@ -56,6 +57,7 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
 
 
+@pytest.mark.subprocess
 def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path) -> None:
     served = Served(tmp_path)
     served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(4)))
@@ -67,6 +69,7 @@ def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path
     assert "Traceback" not in own_lines(stderr), stderr
 
 
+@pytest.mark.subprocess
 def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path: Path) -> None:
     rows = 60
     served = Served(tmp_path)

@@ -250,6 +250,7 @@ def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monk
     assert stepping[0].steps == 0
 
 
+@pytest.mark.subprocess
 def test_a_second_signal_quits_at_once(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys, time\n"

@@ -53,6 +53,7 @@ def materializations(ws: Webserver, asset: str, partition: str) -> list[dict[str
     return found["assetMaterializations"]
 
 
+@pytest.mark.daemon
 def test_launch_a_job_from_the_launchpad_and_read_its_materializations(webserver: Webserver) -> None:
     location = webserver.graphql(LOCATION_QUERY)["workspaceOrError"]["locationEntries"][0]
     selector = {
