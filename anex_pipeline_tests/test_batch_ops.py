@@ -45,6 +45,7 @@ from anex_pipeline_tests.harness.batch_api import (
     wait_for_rows,
 )
 from anex_pipeline_tests.harness.jobs import write_jsonl
+from anex_pipeline_tests.harness.ports import free_port
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -348,9 +349,7 @@ def test_a_running_batch_shows_its_usage_so_far(tmp_path: Path, slow_runner: Job
 @pytest.mark.subprocess
 def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(30))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "ANEX_FAKE_ROW_DELAY_S": "0.1"}
     command = [
         sys.executable,

@@ -41,7 +41,8 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
 from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.harness.openai_server import SERVED, FakeServer, request
-from anex_pipeline_tests.harness.vllm_serve import free_port, vllm_servers
+from anex_pipeline_tests.harness.ports import free_port
+from anex_pipeline_tests.harness.vllm_serve import vllm_servers
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from anex_pipeline.orchestration.resources import EngineResource, StorageResourc
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.harness.openai_server import FakeServer, request
-from anex_pipeline_tests.harness.vllm_serve import Served, free_port, vllm_servers
+from anex_pipeline_tests.harness.ports import free_port
+from anex_pipeline_tests.harness.vllm_serve import Served, vllm_servers
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
 from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.harness.jobs import REPO, chat_row
+from anex_pipeline_tests.harness.ports import free_port
 
 KEY_A = "sk-test-alice-0123456789"
 
@@ -41,9 +41,7 @@ DONE = {"completed", "failed", "cancelled", "expired"}
 def serving(runner: JobRunner, keys: list[str] | None = None, **settings: Any) -> Iterator[str]:
     """The Batch API on a free loopback port, in a thread; yields the SDK's base_url."""
     app = create_app(runner, [KEY_A, KEY_B] if keys is None else keys, **settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -115,9 +113,7 @@ def serve_process(
     own, on a free loopback port, with both tenants' keys and these further ``flags`` and
     environment; yields the process and the SDK's base_url once it answers. Its output goes to
     files, so no unread pipe can fill and stall it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     home = tmp_path / "dagster_home"
     home.mkdir(exist_ok=True)
     env = {

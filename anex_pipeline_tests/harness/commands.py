@@ -7,7 +7,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from typing import IO
 
 from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline_tests.harness.jobs import chat_row
+from anex_pipeline_tests.harness.ports import free_port
 
 COMMAND = str(Path(sys.executable).with_name("anex-pipeline"))
 
@@ -104,9 +104,7 @@ class Served:
     def __init__(self, tmp_path: Path, *serve_args: str, **env: str):
         from openai import OpenAI
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         env_keys = {"ANEX_BATCH_API_KEYS": KEY, "NO_PROXY": "127.0.0.1,localhost"}
         args = ["serve", "--port", str(port), "--work-dir", str(tmp_path / "work"), *serve_args]
         self.process = start(args, tmp_path / "dagster_home", **env_keys, **env)

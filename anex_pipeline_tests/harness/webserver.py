@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.engine.orphans import signal_child_group
 from anex_pipeline_tests.harness.jobs import DAEMONLESS_INSTANCE_YAML, REPO
+from anex_pipeline_tests.harness.ports import free_port
 
 LOCATION_QUERY = """
 { workspaceOrError { ... on Workspace { locationEntries {
@@ -59,12 +59,6 @@ class Webserver:
         body = reply.json()
         assert "errors" not in body, body["errors"]
         return body["data"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
