@@ -15,9 +15,7 @@ from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
-from anex_pipeline_tests.harness.jobs import chat_row, local_instance, write_jsonl
-
-REPO = Path(__file__).resolve().parents[1]
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, write_jsonl
 
 
 @pytest.mark.subprocess

@@ -30,8 +30,8 @@ from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_
 from dagster_postgres import DagsterPostgresStorage
 
 from anex_pipeline.orchestration.definitions import defs
+from anex_pipeline_tests.harness.jobs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.37.0"  # the newest schema set kubernetes-validate 1.37.0 ships offline
 GPU = "nvidia.com/gpu"

@@ -29,9 +29,8 @@ from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline_tests.harness.deployment import Deployment, local_deployment, storage_for, submitted
-from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, read_jsonl, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKET = "batches"
 
 
