@@ -8,16 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-
-REPO = Path(__file__).resolve().parents[1]
+from anex_pipeline.testing import fake_engine
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, write_jsonl
 
 
+@pytest.mark.subprocess
 def test_workspace_loads_in_dagster(tmp_path: Path) -> None:
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
     done = subprocess.run(

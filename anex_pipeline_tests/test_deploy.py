@@ -30,8 +30,8 @@ from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_
 from dagster_postgres import DagsterPostgresStorage
 
 from anex_pipeline.orchestration.definitions import defs
+from anex_pipeline_tests.harness.jobs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.37.0"  # the newest schema set kubernetes-validate 1.37.0 ships offline
 GPU = "nvidia.com/gpu"
@@ -139,12 +139,14 @@ def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
 def test_dockerfiles_pass_hadolint(name: str) -> None:
     result = hadolint(DEPLOY / name)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+@pytest.mark.subprocess
 def test_hadolint_with_our_settings_still_reports_problems(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install requests\n")

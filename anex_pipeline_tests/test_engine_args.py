@@ -31,7 +31,7 @@ from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.vllm import engine as vllm_engine
 from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
 
 
 def settings(**args: Any) -> EngineSettings:
@@ -152,6 +152,7 @@ def run_cli(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[st
     return done, time.monotonic() - started
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("flag", "said"),
     [
@@ -249,6 +250,7 @@ def test_run_with_engine_arguments_on_the_cpu_build_loads_them_and_reports_them(
     assert (engine["max_model_len"], engine["max_model_len_source"]) == (8192, "model")
 
 
+@pytest.mark.subprocess
 def test_engine_arguments_with_a_server_address_are_refused(tmp_path: Path) -> None:
     done, _ = run_cli(tmp_path, "--base-url", "http://127.0.0.1:9", "--tensor-parallel-size", "2")
     assert done.returncode == 2

@@ -12,7 +12,7 @@ import pytest
 from anex_pipeline.engine.orphans import descendants
 from anex_pipeline.engine.vllm.cpu_environment import FEW_CORES, RESERVED_CORES_ENV, _tcmalloc
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -30,7 +30,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ from anex_pipeline.engine.vllm.engine import VllmLocalEngine
 from anex_pipeline.options import job_options
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -20,8 +20,8 @@ from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.tiny_models import SPECIAL_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.engine
 

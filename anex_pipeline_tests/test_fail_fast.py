@@ -19,6 +19,7 @@ from typing import Any
 import boto3
 import pytest
 
+from anex_pipeline import testing
 from anex_pipeline.cli import main
 from anex_pipeline.engine import loader, models
 from anex_pipeline.engine.vllm import engine as vllm_engine
@@ -26,10 +27,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.storage import output_problem
-from anex_pipeline_tests import fakes
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_batch_api import client, serving, submit, wait
-from anex_pipeline_tests.test_sensors import s3_endpoint  # noqa: F401  (a fixture)
+from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 ABSENT = "no-such-org/no-such-model"
 
@@ -59,6 +58,7 @@ def rows(n: int) -> list[dict[str, Any]]:
 # -- the model -------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_an_absent_model_is_refused_by_the_command_in_seconds(tmp_path: Path, command: str, offline: bool) -> None:
@@ -122,7 +122,7 @@ def test_a_job_sent_to_a_model_server_does_not_look_for_its_model_here(
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     with pytest.raises(JobRejected, match=ABSENT):
         fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT})
-    http = JobRunner(instance, fake_runner.storage, fakes.fake_engine(base_url="http://127.0.0.1:9"))
+    http = JobRunner(instance, fake_runner.storage, testing.fake_engine(base_url="http://127.0.0.1:9"))
     assert http.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT}).manifest().model == ABSENT
     http.close()
 
@@ -167,7 +167,7 @@ def test_an_engine_that_cannot_load_fails_the_job_once_with_its_reason(
 @pytest.mark.parametrize("cause", ["no-bucket", "no-credentials"])
 def test_an_unwritable_s3_output_is_refused_before_generation(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     cause: str,
@@ -215,7 +215,7 @@ def test_an_output_that_is_a_folder_or_under_a_read_only_one_is_refused(
 
 def test_run_and_validate_read_an_s3_input(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     fake_engine: None,
@@ -386,7 +386,7 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     from anex_pipeline.runner import _first_error
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
-    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), fakes.fake_engine(base_url=base_url))
+    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), testing.fake_engine(base_url=base_url))
     instance.add_dynamic_partitions(JOBS, ["ui-job"])
     config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"model": ABSENT}}
     result = defs.resolve_job_def("submit_job").execute_in_process(

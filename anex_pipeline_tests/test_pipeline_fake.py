@@ -20,8 +20,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.stages.estimate import estimate_lengths
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
+from anex_pipeline.testing import fake_engine, shared_fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 
 def test_jsonl_chat_job_keeps_order_and_exact_envelopes(tmp_path: Path, fake_runner: JobRunner) -> None:
