@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from anex_pipeline.cli.commands import TERMINAL_OUTPUT
+from anex_pipeline.instance import TERMINAL_OUTPUT
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport

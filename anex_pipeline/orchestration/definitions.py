@@ -12,8 +12,8 @@ from anex_pipeline.orchestration.assets import all_assets
 from anex_pipeline.orchestration.driver import job_driver
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
 from anex_pipeline.orchestration.jobs import all_jobs
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.orchestration.retention import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.orchestration.retries import RetrySettings, retry_failed_rows
 
 

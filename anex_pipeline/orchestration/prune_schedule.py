@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from anex_pipeline.job_admin import parse_age, prune
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.retention import parse_age, prune
 
 
 class RetentionSettings(dg.ConfigurableResource):
