@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline import settings
 from anex_pipeline.errors import RejectedError
 
 LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
@@ -54,15 +55,15 @@ def dagster_instance() -> Any:
 
     from anex_pipeline.engine.models import cache_root
 
-    home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
+    home = Path(settings.DAGSTER_HOME.get() or cache_root() / "dagster_home")
     os.environ["DAGSTER_HOME"] = str(home)
     try:
         home.mkdir(parents=True, exist_ok=True)
         with (home / ".instance.lock").open("ab") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
-            settings = home / "dagster.yaml"
-            if not settings.exists():  # without one Dagster prints a warning and a telemetry banner
-                settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
+            home_settings = home / "dagster.yaml"
+            if not home_settings.exists():  # without one Dagster prints a warning and a telemetry banner
+                home_settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
             return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), overrides=TERMINAL_OUTPUT))
     except (OSError, sqlite3.Error, DBAPIError) as exc:
         raise RejectedError(
@@ -72,7 +73,7 @@ def dagster_instance() -> Any:
 
 def storage_failure(exc: Exception) -> str:
     """What went wrong writing the Dagster home (its SQLite storage, say), in a few words."""
-    home = os.environ["DAGSTER_HOME"]
+    home = settings.DAGSTER_HOME.get()
     cause = getattr(exc, "strerror", None) or getattr(exc, "orig", None) or exc
     try:
         full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""

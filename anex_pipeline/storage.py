@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from anex_pipeline import settings
 from anex_pipeline.errors import AnexError
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ def default_work_root() -> str:
     """``$ANEX_WORK_DIR``, else ``work`` under the project's cache folder."""
     from anex_pipeline.engine.models import cache_root
 
-    return os.environ.get("ANEX_WORK_DIR", str(cache_root() / "work"))
+    return settings.WORK_DIR.get() if settings.WORK_DIR.is_set() else str(cache_root() / "work")
 
 
 class StorageConfig(BaseModel):

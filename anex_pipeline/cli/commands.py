@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline import settings
 from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options, engine_args_of
 from anex_pipeline.errors import AnexError, ExitCode
 from anex_pipeline.instance import dagster_instance, storage_failure
@@ -54,7 +55,7 @@ def _runner(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         memory_share=args.memory_share,
         base_url=_base_url(args.base_url),
-        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        api_key=args.api_key or settings.API_KEY.get() or None,
         max_concurrency=args.max_concurrency,
         **({"engine_args": given} if given is not None else {}),
     )
@@ -256,7 +257,7 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
-    problems = [] if os.environ.get("ANEX_ENGINE_BASE_URL") else model_problems(options.model)
+    problems = [] if settings.ENGINE_BASE_URL.get() else model_problems(options.model)
     count, problem_count = 0, len(problems)
     for item in rows:
         if isinstance(item, Problem):
@@ -297,8 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot read keys file {args.keys_file}: {exc.strerror}") from None
         keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    elif os.environ.get("ANEX_BATCH_API_KEYS"):
-        keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    elif settings.BATCH_API_KEYS.get():
+        keys = [k.strip() for k in settings.BATCH_API_KEYS.get().split(",") if k.strip()]
     media = _media_policy(args)
     if args.max_running_batches < 1:
         raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
@@ -332,20 +333,20 @@ def _webhook(args: argparse.Namespace) -> Any:
     """The webhook of ``serve`` (flags first, then the environment), checked; None without a URL."""
     from anex_pipeline.batch_api.webhooks import WebhookSettings
 
-    url = args.webhook_url or os.environ.get("ANEX_WEBHOOK_URL")
-    secret = args.webhook_secret or os.environ.get("ANEX_WEBHOOK_SECRET")
+    url = args.webhook_url or settings.WEBHOOK_URL.get() or None
+    secret = args.webhook_secret or settings.WEBHOOK_SECRET.get() or None
     if not url:
         if secret or args.webhook_allowed_host:
             raise UsageError("--webhook-secret and --webhook-allowed-host need --webhook-url (or ANEX_WEBHOOK_URL)")
         return None
     if not secret:
         raise UsageError("--webhook-url needs --webhook-secret (or ANEX_WEBHOOK_SECRET): whsec_ followed by base64")
-    settings = WebhookSettings(url, secret, tuple(args.webhook_allowed_host or ()))
+    webhook = WebhookSettings(url, secret, tuple(args.webhook_allowed_host or ()))
     try:
-        settings.check()
+        webhook.check()
     except ValueError as exc:
         raise UsageError(f"--webhook-url/--webhook-secret: {exc}") from None
-    return settings
+    return webhook
 
 
 class _Signalled(Exception):

@@ -35,7 +35,7 @@ import diskcache
 import httpcore
 import httpx
 
-from anex_pipeline import metrics
+from anex_pipeline import metrics, settings
 from anex_pipeline.engine.models import cache_root
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.guard import (
@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 def media_cache_dir() -> Path:
     """Where downloaded media are kept: ``$ANEX_MEDIA_CACHE_DIR``, else ``<cache_root>/media``."""
-    configured = os.environ.get("ANEX_MEDIA_CACHE_DIR")
+    configured = settings.MEDIA_CACHE_DIR.get()
     return Path(configured).expanduser() if configured else cache_root() / "media"
 
 
