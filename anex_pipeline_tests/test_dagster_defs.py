@@ -67,6 +67,7 @@ def test_settings_are_read_when_the_definitions_load(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ANEX_RETENTION_CRON", "0 4 * * *")
     monkeypatch.setenv("ANEX_RETRY_LIMIT", "7")
     monkeypatch.setenv("ANEX_S3_BUCKET", "inbox-bucket")
+    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     loaded = defs()
     assert loaded.resolve_sensor_def("job_driver").minimum_interval_seconds == 17
     assert loaded.resolve_schedule_def("retry_failed_rows").cron_schedule == "5 * * * *"
@@ -77,8 +78,11 @@ def test_settings_are_read_when_the_definitions_load(monkeypatch: pytest.MonkeyP
     assert isinstance(s3.bucket, dg.EnvVar) and s3.bucket.env_var_name == "ANEX_S3_BUCKET"
     assert s3.output_prefix == "results/"
     monkeypatch.setenv("ANEX_RETRY_LIMIT", "8")
-    with dg.build_resources({"retry_settings": loaded.resources["retry_settings"]}) as built:
+    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "later"))
+    resources = {name: loaded.resources[name] for name in ("retry_settings", "storage")}
+    with dg.build_resources(resources) as built:
         assert built.retry_settings.max_attempts == 8
+        assert built.storage.work_root == str(tmp_path / "later")
 
 
 def test_materializing_partitions_from_dagster_equals_the_cli_result(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def build_definitions(
     retention: RetentionSettings | None = None,
 ) -> dg.Definitions:
     """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
-    storage = storage or StorageResource()
+    storage = storage or StorageResource.from_environment()
     return dg.Definitions(
         executor=_executor(),
         assets=all_assets,

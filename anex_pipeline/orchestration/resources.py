@@ -24,6 +24,11 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
     def wrapping(cls, config: StorageConfig) -> StorageResource:
         return cls(**{name: getattr(config, name) for name in StorageConfig.model_fields})
 
+    @classmethod
+    def from_environment(cls) -> StorageResource:
+        """The storage the environment gives (ANEX_WORK_DIR), as ``dg.EnvVar``."""
+        return cls(**from_environment(cls, {"work_root": settings.WORK_DIR}))
+
 
 def _machine_server_on() -> bool:
     """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s executor."""
