@@ -29,7 +29,7 @@ from openai.types import Batch, CreateEmbeddingResponse
 
 from anex_pipeline import cli
 from anex_pipeline.batch_api.requests import MAX_OPTIONS_BYTES, MAX_SYSTEM_PROMPT_BYTES
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
 from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner

@@ -28,8 +28,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from anex_pipeline import cli, metrics
-from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.webhooks import WebhookSettings
+from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions

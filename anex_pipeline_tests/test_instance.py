@@ -20,12 +20,12 @@ PROCESSES = 4
 CREATE = """
 import os, sys, time
 from pathlib import Path
-from anex_pipeline.cli.commands import _instance
+from anex_pipeline.instance import dagster_instance
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 ready.touch()
 while not go.exists():
     time.sleep(0.001)
-_instance().get_runs()
+dagster_instance().get_runs()
 """
 
 

@@ -14,11 +14,11 @@ import dagster as dg
 import openai
 import pytest
 
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
+from anex_pipeline.job_admin import parse_age, prune
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS
-from anex_pipeline.orchestration.retention import RetentionSettings
-from anex_pipeline.retention import parse_age, prune
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir

@@ -61,12 +61,13 @@ def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
 
 
 def test_definitions_hold_the_sensors_and_schedule_switched_off() -> None:
-    assert {s.name: s.default_status for s in defs.sensors or []} == {
+    loaded = defs()
+    assert {s.name: s.default_status for s in loaded.sensors or []} == {
         "job_driver": dg.DefaultSensorStatus.STOPPED,
         "s3_inbox": dg.DefaultSensorStatus.STOPPED,
         "local_inbox": dg.DefaultSensorStatus.STOPPED,
     }
-    assert [(s.name, s.default_status) for s in defs.schedules or []] == [
+    assert [(s.name, s.default_status) for s in loaded.schedules or []] == [
         ("retry_failed_rows", dg.DefaultScheduleStatus.STOPPED),
         ("prune_old_jobs", dg.DefaultScheduleStatus.STOPPED),
     ]

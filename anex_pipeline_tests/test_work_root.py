@@ -20,12 +20,12 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
+from anex_pipeline.job_admin import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.orchestration.retention import RetentionSettings
-from anex_pipeline.retention import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.testing import fake_engine

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.objects import BatchError, BatchRecord, now
+from anex_pipeline.batches.store import Store
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, JobStopped, RowErrorType

@@ -10,7 +10,7 @@ from typing import Any
 import dagster as dg
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.cli.commands import TERMINAL_OUTPUT
+from anex_pipeline.instance import TERMINAL_OUTPUT
 from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport

@@ -33,8 +33,8 @@ from typing import Any
 
 import dagster as dg
 
-from anex_pipeline.batch_api.objects import BatchRecord, FileRecord
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.objects import BatchRecord, FileRecord
+from anex_pipeline.batches.store import Store
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.orchestration.partitions import JOBS, forget_job, shard_keys_on
 from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
