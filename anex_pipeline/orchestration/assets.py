@@ -33,8 +33,8 @@ from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import estimate_lengths, length_histogram
 from anex_pipeline.stages.generate import run_shard
-from anex_pipeline.stages.ledger import account_rows
 from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
+from anex_pipeline.stages.merge_row_account import account_rows
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input, publish

@@ -24,7 +24,7 @@ from anex_pipeline.formats import (
 from anex_pipeline.formats.registry import FORMATS, misnamed
 from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
-from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
+from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -73,7 +73,7 @@ def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
 def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[ShardRange]:
     """``count`` contiguous slices of ``total`` rows; with ``heads`` (the starts of staged
     requests) cut where neighbouring rows share the least prompt
-    (:mod:`anex_pipeline.stages.shard_plan`), else evenly (sizes differ by one at most)."""
+    (:mod:`anex_pipeline.stages.submit_shard_plan`), else evenly (sizes differ by one at most)."""
     if heads is not None and count > 1:
         bounds = plan_bounds(total, count, heads)
     else:
