@@ -30,7 +30,7 @@ Progress = Callable[[int, int, int], None]
 
 
 @dataclass
-class ShardProgress:
+class LiveShardCounts:
     """A shard's rows while it generates: how many of its ``total`` are done, failed included."""
 
     total: int
@@ -44,10 +44,10 @@ class ShardProgress:
         self.completion_tokens += sum(o.usage.get("completion_tokens", 0) for o in outcomes)
 
 
-_live: dict[tuple[str, int], ShardProgress] = {}  # (job folder, shard) -> progress, while it runs here
+_live: dict[tuple[str, int], LiveShardCounts] = {}  # (job folder, shard) -> progress, while it runs here
 
 
-def live_progress(job: JobDir, shard: int) -> ShardProgress | None:
+def live_progress(job: JobDir, shard: int) -> LiveShardCounts | None:
     """The progress of the shard if it is generating in this process right now, else None (its
     checkpoint then says it all)."""
     return _live.get((str(job.root), shard))
@@ -109,7 +109,7 @@ def run_shard(
 
     todo = (row for row in job.read_requests(shard) if row.index not in finished)
     group_rows = chunk_rows or options.checkpoint_rows
-    live = _live[(str(job.root), shard)] = ShardProgress(total=rng.size, done=len(finished))
+    live = _live[(str(job.root), shard)] = LiveShardCounts(total=rng.size, done=len(finished))
     if progress:
         progress(live.done, live.total, 0)
     stop = StopCheck(job)
