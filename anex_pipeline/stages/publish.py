@@ -19,7 +19,9 @@ def publish_job(job: JobDir, s3_client: Callable[[], Any]) -> tuple[JobReport, s
     tells why). ``s3_client`` makes an S3 client; it is called only when a location is on S3."""
     manifest = job.manifest()
     s3 = s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
-    report = JobReport.model_validate_json(job.report_path.read_text())
+    report = job.report()
+    if report is None:
+        raise FileNotFoundError(f"{job.report_path}: the job has not been merged")
     if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
         where = "not published: no row has a result"
     else:

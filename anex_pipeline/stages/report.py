@@ -3,7 +3,6 @@ as one :class:`~anex_pipeline.spec.JobReport`."""
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
@@ -29,7 +28,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
     status: JobStatus = "completed"
     reason = None
     if delivered < counts.total:
-        stop = json.loads(job.stop_path.read_text())["reason"] if job.stop_path.exists() else None
+        stop = job.stop_reason()
         missing = counts.total - delivered
         reason = stop or f"{missing} of {counts.total} rows have no result: their shards did not finish"
         status = "stopped_early"
