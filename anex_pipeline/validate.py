@@ -606,6 +606,7 @@ def pydantic_code(error_type: str) -> str:
 
 
 def kind_of(value: Any) -> str:
+    """What a JSON value is, in words for a problem's message ("a string", "an empty list")."""
     if value is None:
         return "nothing"
     if isinstance(value, bool):

@@ -105,6 +105,8 @@ _deadline_of_thread = threading.local()
 
 @contextmanager
 def request_deadline(at: float) -> Iterator[None]:
+    """Within this block, every network operation of the current thread's requests ends by the
+    monotonic time ``at``: each one's timeout is cut to what is left."""
     _deadline_of_thread.at = at
     try:
         yield
@@ -257,6 +259,8 @@ class _GuardedTransport(httpx.BaseTransport):
 def media_client(
     options: MediaOptions, backend: GuardedBackend, user_agent: str = "anex-pipeline media fetcher"
 ) -> httpx.Client:
+    """An httpx client that connects only through ``backend`` (the address policy), follows no
+    redirect itself and ignores proxies from the environment."""
     return httpx.Client(
         transport=_GuardedTransport(backend),
         timeout=options.timeout_s,

@@ -1,4 +1,5 @@
-"""Merging a job's shard checkpoints into one result file, and the job report."""
+"""Merging a job's shard checkpoints into one result file, and writing its report (built by
+:mod:`anex_pipeline.stages.report`)."""
 
 from __future__ import annotations
 

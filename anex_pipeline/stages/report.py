@@ -1,5 +1,6 @@
 """The job report: what the merge counted, the job's stop reason, estimate, timings and cost,
-as one :class:`~anex_pipeline.spec.JobReport`."""
+as one :class:`~anex_pipeline.spec.JobReport`. The merge writes it into the work folder, where
+:meth:`~anex_pipeline.workdir.manifest.JobDir.report` reads it back."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def nothing_delivered(counts: RequestCounts) -> bool:
 
 
 def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobReport:
+    """The report of the job whose checkpoints the merge counted into ``tally``: completed when
+    every row has a result, else stopped early (failed when none has), with the stop's reason."""
     counts = tally.counts
     counts.total = manifest.total_rows
     usage = tally.usage
