@@ -303,7 +303,7 @@ def summary_lines(
     lines += [("tokens", tokens), ("time", times), ("speed", speed)]
     if report.cost is not None:
         lines.append(("cost", f"{report.cost:.4f} (at the job's prices)"))
-    from anex_pipeline.stages.merge import nothing_delivered
+    from anex_pipeline.stages.report import nothing_delivered
 
     delivered = not nothing_delivered(counts)
     lines.append(("result", report.output if delivered else "none published: no row has a result"))

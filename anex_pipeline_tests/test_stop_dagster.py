@@ -13,7 +13,6 @@ import pytest
 from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.orchestration.partitions import job_shard_key
-from anex_pipeline.stopping import recorded_stop
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, write_jsonl
 from anex_pipeline_tests.harness.webserver import (
@@ -81,5 +80,5 @@ def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_pat
         starts = [e["stepKey"] for e in events if e["__typename"] == "ExecutionStepStartEvent"]
     kept = [o.key for o in job.outcomes(0)]
     assert 0 < len(kept) < ROWS, "the finished rows were checkpointed, the rest not run"
-    assert "cancelled by the user" in (recorded_stop(job) or "")
+    assert "cancelled by the user" in (job.stop_reason() or "")
     assert starts.count("generations") == 1, "the terminated step was not retried"

@@ -25,6 +25,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import request_stop, stopping_on_signals
 from anex_pipeline.testing import fake_engine
@@ -90,6 +91,26 @@ def test_the_time_limit_stops_the_job_at_an_engine_step(tmp_path: Path) -> None:
         run_shard(job, 0, lambda: engine)
     assert 0 < len(checkpointed(job)) == engine.steps < ROWS
     assert "time limit" in json.loads(job.stop_path.read_text())["reason"]
+
+
+def test_a_torn_stop_file_stops_the_job_and_the_report_says_it_was_asked_to_stop(tmp_path: Path) -> None:
+    job = new_job(tmp_path, checkpoint_rows=1)
+    engine = SteppingEngine()
+    assert job.stop_reason() is None and job.report() is None
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        if done == 3:
+            job.stop_path.write_text('{"reason": "cancelled by')  # cut short by a writer that died
+
+    with pytest.raises(JobStopped, match="asked to stop"):
+        run_shard(job, 0, lambda: engine, progress=progress)
+    report = merge_job(job)
+    assert report.status == "stopped_early" and report.failure_reason == "the job was asked to stop"
+    assert report.request_counts.completed == len(checkpointed(job)) > 0
+    assert job.report() == report
+    job.report_path.write_text(job.report_path.read_text()[:40])
+    with pytest.raises(ValueError):
+        job.report()
 
 
 def test_a_signal_asks_the_job_to_stop_and_says_a_second_one_quits(

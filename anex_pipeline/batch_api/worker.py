@@ -36,12 +36,12 @@ from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
 from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError, Usage
+from anex_pipeline.spec import JobRejected, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
-from anex_pipeline.workdir.manifest import JobDir, JobManifest
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, read_report
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
@@ -176,8 +176,7 @@ class BatchWorker:
         report_file = job.report_path
         if not job.exists():  # removed by a prune: the published report (beside the result) stays
             report_file = Path(default_report_path(str(self.store.output_path(record.id))))
-        if record.finished and report_file.exists():
-            report = JobReport.model_validate_json(report_file.read_text())
+        if record.finished and (report := read_report(report_file)) is not None:
             counts = report.request_counts.model_copy()
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
@@ -340,8 +339,7 @@ class BatchWorker:
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""
-        report_file = job.report_path
-        report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
+        report = job.report()
         if record.cancelling_at is not None:
             ended, unrun = "cancelled_at", "batch_cancelled"
         elif report is not None and report.status == "completed":

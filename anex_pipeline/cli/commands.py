@@ -255,21 +255,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
     from anex_pipeline.spec import JobRejected, Problem
-    from anex_pipeline.stages.submit import check_input, model_problems
+    from anex_pipeline.stages.submit import Problems, check_input, model_problems
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
-    problems = [] if settings.ENGINE_BASE_URL.get() else model_problems(options.model)
-    count, problem_count = 0, len(problems)
+    problems = Problems([] if settings.ENGINE_BASE_URL.get() else model_problems(options.model))
+    count = 0
     for item in rows:
         if isinstance(item, Problem):
-            problem_count += 1
-            if len(problems) < 1000:  # keep memory bounded on a file where every line is wrong
-                problems.append(item)
+            problems.add(item)
         else:
             count += 1
     if problems:
-        raise JobRejected(problems, total=problem_count)
+        raise problems.rejection()
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
     print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")

@@ -26,7 +26,7 @@ from anex_pipeline.spec import (
     Problem,
 )
 from anex_pipeline.spec import MISSING_PARAMETER as MISSING
-from anex_pipeline.validate import _kind, check_body
+from anex_pipeline.validate import check_body, kind_of
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
 MAX_LINE_BYTES = 32 * 1024 * 1024
@@ -286,13 +286,15 @@ def _check_line(
         problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id", MISSING))
     elif not isinstance(cid, str) or not cid:
         kind = INVALID_TYPE if not isinstance(cid, str) else INVALID_VALUE
-        problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id", kind))
+        problems.append(Problem(f"must be a non-empty string, got {kind_of(cid)}", number, "custom_id", kind))
     method = value.get("method", "POST")
     if method != "POST":
         problems.append(Problem(f"must be POST, got {json.dumps(method)}", number, "method"))
     url = value.get("url")
     if url is not None and not isinstance(url, str):
-        problems.append(Problem(f"must be a string such as {CHAT_URL}, got {_kind(url)}", number, "url", INVALID_TYPE))
+        problems.append(
+            Problem(f"must be a string such as {CHAT_URL}, got {kind_of(url)}", number, "url", INVALID_TYPE)
+        )
     elif url is not None and url not in ENDPOINT_BY_URL:
         problems.append(
             Problem(f"{json.dumps(url)} is not supported; use one of {', '.join(ENDPOINT_BY_URL)}", number, "url")

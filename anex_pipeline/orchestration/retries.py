@@ -11,7 +11,6 @@ from anex_pipeline.orchestration.jobs import shard_job
 from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 from anex_pipeline.orchestration.runs import PARTITION_TAG, RETRY_TAG, JobProgress, job_progress
-from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir.lease import driven_by_cli
 from anex_pipeline.workdir.manifest import unfinished_shards
 
@@ -60,10 +59,10 @@ def retry_requests(
     spent = []
     for p in job_progress(context.instance):
         job = storage.job(p.job_id)
-        report = job.report_path
-        if p.busy or not p.finished or not report.exists():
+        report = None if p.busy or not p.finished else job.report()
+        if report is None:
             continue
-        counts = JobReport.model_validate_json(report.read_text()).request_counts
+        counts = report.request_counts
         if counts.completed >= counts.total or driven_by_cli(job):
             continue
         for shard in unfinished_shards(job):

@@ -24,7 +24,7 @@ from anex_pipeline.media.fetcher import (
     FetchStats,
     MediaFetcher,
     MediaFetchError,
-    _OutOfTime,
+    MediaOutOfTime,
 )
 from anex_pipeline.media.guard import TOTAL_CONNECTIONS
 from anex_pipeline.media.refs import MediaRef, media_references
@@ -87,7 +87,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
             for url, future in [(url, pool.submit(fetcher.fetch, url)) for url in urls]:
                 error = future.exception()
                 host = by_host.setdefault(urlsplit(url).netloc, Counter(downloaded=0, from_cache=0, failed=0))
-                if isinstance(error, _OutOfTime):
+                if isinstance(error, MediaOutOfTime):
                     out_of_time += 1
                 elif isinstance(error, MediaFetchError):
                     codes[str(error.status or "none")] += 1

@@ -19,7 +19,7 @@ from anex_pipeline.formats.base import Format
 from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
 from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
-from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
+from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -40,6 +40,29 @@ OUTPUT_TOKENS_GUESS = 256  # output tokens a row is expected to take when the jo
 
 
 MAX_REPORTED_PROBLEMS = 1000
+
+
+class Problems:
+    """The problems a check finds: all of them counted, the first :data:`MAX_REPORTED_PROBLEMS`
+    kept, so that a file where every line is wrong keeps memory bounded."""
+
+    def __init__(self, found: list[Problem] | None = None):
+        self.kept: list[Problem] = []
+        self.total = 0
+        for problem in found or []:
+            self.add(problem)
+
+    def add(self, problem: Problem) -> None:
+        self.total += 1
+        if len(self.kept) < MAX_REPORTED_PROBLEMS:
+            self.kept.append(problem)
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def rejection(self) -> JobRejected:
+        """The job's refusal, naming the kept problems and counting all of them."""
+        return JobRejected(self.kept, total=self.total)
 
 
 def default_report_path(output: str) -> str:
@@ -68,7 +91,7 @@ def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
 def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[ShardRange]:
     """``count`` contiguous slices of ``total`` rows; with ``heads`` (the starts of staged
     requests) cut where neighbouring rows share the least prompt
-    (:mod:`anex_pipeline.stages.shard_plan`), else evenly (sizes differ by one at most)."""
+    (:mod:`anex_pipeline.stages.submit_shard_plan`), else evenly (sizes differ by one at most)."""
     if heads is not None and count > 1:
         bounds = plan_bounds(total, count, heads)
     else:
@@ -220,10 +243,10 @@ def prepare_job(
     kind, endpoint, chunks = read_input(input_path, options)
     report = report or default_report_path(output)
     check_destinations(input_path, output, report, options_file, work_root=work_root, results_in=results_in)
-    found = model_problems(options.model) if local_model else []
+    problems = Problems(model_problems(options.model) if local_model else [])
     for dest in dict.fromkeys((output, report)):
         if why := output_problem(dest, s3_client):
-            found.append(Problem(why, field="output" if dest == output else "report"))
+            problems.add(Problem(why, field="output" if dest == output else "report"))
     sha = file_sha256(input_path)
     raw_options = options.model_dump(exclude_defaults=True)
     # The output is not part of the id: a job whose result could not be written resumes, with
@@ -234,8 +257,8 @@ def prepare_job(
     if claim is not None:
         claim(job)
     if job.exists() and job.manifest().input_sha256 == sha:
-        if found:
-            raise JobRejected(found)
+        if problems:
+            raise problems.rejection()
         manifest = job.manifest()
         if (manifest.output, manifest.report) != (output, report):
             moved = manifest.model_copy(update={"output": output, "report": report})
@@ -243,8 +266,6 @@ def prepare_job(
         return job
     job.root.mkdir(parents=True, exist_ok=True)
     staging = job.root / layout.STAGING
-    problems: list[Problem] = found
-    problem_count = len(found)
     total = 0
     out = kind.staging(staging)
     checked = False
@@ -253,12 +274,10 @@ def prepare_job(
             if stop is not None:
                 stop()
             if isinstance(item, Problem):
-                problem_count += 1
-                if len(problems) < MAX_REPORTED_PROBLEMS:
-                    problems.append(item)
+                problems.add(item)
                 continue
             total += len(item)
-            if problem_count == 0:
+            if not problems:
                 out.add(item)
         checked = True
     finally:
@@ -267,11 +286,13 @@ def prepare_job(
             staging.unlink(missing_ok=True)
             if new_folder:
                 shutil.rmtree(job.root, ignore_errors=True)
-    if problem_count or total == 0:
+    if problems or total == 0:
         staging.unlink(missing_ok=True)
         if new_folder:  # nothing but the lease in it: no prune would ever remove it
             shutil.rmtree(job.root, ignore_errors=True)
-        raise JobRejected(problems or [Problem(f"input file {input_path} has no rows")], total=problem_count or 1)
+        if not problems:
+            problems.add(Problem(f"input file {input_path} has no rows"))
+        raise problems.rejection()
     count = shard_count(total, staging.stat().st_size, options)
     ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)

@@ -24,7 +24,7 @@ from anex_pipeline.formats import (
     write_error,
 )
 from anex_pipeline.formats.registry import FORMATS
-from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowOutcome
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, JobReport, RowOutcome
 from anex_pipeline.workdir import layout
 
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
@@ -78,6 +78,16 @@ def make_job_id(input_path: Path, *identity: Any) -> str:
     stem = re.sub(r"[^A-Za-z0-9_-]+", "-", input_path.name.split(".")[0]).strip("-")[:40] or "job"
     fingerprint = json.dumps(identity, sort_keys=True)
     return f"{stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:10]}"
+
+
+def read_report(path: Path) -> JobReport | None:
+    """The job report at ``path`` (a work folder's, or one published beside a result), or None
+    when there is none; a file cut short or not a report raises ValueError."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return JobReport.model_validate_json(text)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -150,6 +160,11 @@ class JobDir:
     def report_path(self) -> Path:
         """The report the merge writes, before it is published."""
         return self.root / layout.REPORT
+
+    def report(self) -> JobReport | None:
+        """The report the merge wrote, or None before the job has been merged (see
+        :func:`read_report`)."""
+        return read_report(self.report_path)
 
     @property
     def timings_path(self) -> Path:
@@ -227,6 +242,16 @@ class JobDir:
 
     def record_stop(self, reason: str) -> None:
         atomic_write_text(self.stop_path, json.dumps({"reason": reason, "at": time.time()}))
+
+    def stop_reason(self) -> str | None:
+        """Why the job was asked to stop, from its stop file; None when it has none. A stop file
+        that is torn or not written by :meth:`record_stop` still means the job was asked to stop."""
+        try:
+            return str(json.loads(self.stop_path.read_text())["reason"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return "the job was asked to stop"
 
 
 def unfinished_shards(job: JobDir) -> list[int]:

@@ -1,5 +1,5 @@
 """The proof that a result file holds every input row once, in input order
-(anex_pipeline.stages.ledger), on real result files and a job of known rows."""
+(anex_pipeline.stages.merge_row_account), on real result files and a job of known rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from anex_pipeline.stages.ledger import RowAccount, account_rows
+from anex_pipeline.stages.merge_row_account import RowAccount, account_rows
 from anex_pipeline_tests.harness.jobs import write_jsonl
 
 
