@@ -303,9 +303,8 @@ def summary_lines(
     lines += [("tokens", tokens), ("time", times), ("speed", speed)]
     if report.cost is not None:
         lines.append(("cost", f"{report.cost:.4f} (at the job's prices)"))
-    from anex_pipeline.stages.report import nothing_delivered
 
-    delivered = not nothing_delivered(counts)
+    delivered = not counts.nothing_delivered()
     lines.append(("result", report.output if delivered else "none published: no row has a result"))
     if counts.failed and delivered:
         lines.append(("error rows", f"the {counts.failed} rows of the result whose {error_field} is set"))

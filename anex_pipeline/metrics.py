@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -21,8 +21,13 @@ from prometheus_client.registry import Collector
 
 from anex_pipeline.spec import RowOutcome
 
-if TYPE_CHECKING:  # the engine package imports this module
-    from anex_pipeline.engine.base import Engine
+
+class Engine(Protocol):
+    """What the metrics read of a loaded engine (the engine package, above this module, imports it)."""
+
+    @property
+    def dead(self) -> bool: ...
+
 
 REGISTRY = CollectorRegistry()
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what exposition() writes

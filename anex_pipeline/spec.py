@@ -235,6 +235,11 @@ class RequestCounts(BaseModel):
     failed: int = 0
     format_error_rows: int = 0
 
+    def nothing_delivered(self) -> bool:
+        """True for a job with input rows none of which has a result (not even an error): its
+        result file is empty and is not published in place of the result."""
+        return self.total > 0 and self.completed + self.failed == 0
+
 
 class Usage(BaseModel):
     prompt_tokens: int = 0

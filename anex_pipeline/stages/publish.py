@@ -8,7 +8,6 @@ from typing import Any
 
 from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.merge import result_path
-from anex_pipeline.stages.report import nothing_delivered
 from anex_pipeline.storage import publish
 from anex_pipeline.workdir.manifest import JobDir
 
@@ -22,7 +21,7 @@ def publish_job(job: JobDir, s3_client: Callable[[], Any]) -> tuple[JobReport, s
     report = job.report()
     if report is None:
         raise FileNotFoundError(f"{job.report_path}: the job has not been merged")
-    if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
+    if report.request_counts.nothing_delivered():  # the report tells why; an earlier result stays
         where = "not published: no row has a result"
     else:
         where = publish(result_path(job), manifest.output, s3)

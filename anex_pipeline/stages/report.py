@@ -6,19 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from anex_pipeline.spec import JobReport, JobStatus, RequestCounts, Throughput, Usage
+from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
 
 if TYPE_CHECKING:
     from anex_pipeline.stages.merge import RowTally
-
-
-def nothing_delivered(counts: RequestCounts) -> bool:
-    """True for a job with input rows none of which has a result (not even an error): its result
-    file is empty and is not published in place of the result."""
-    return counts.total > 0 and counts.completed + counts.failed == 0
 
 
 def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobReport:
@@ -35,7 +29,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         missing = counts.total - delivered
         reason = stop or f"{missing} of {counts.total} rows have no result: their shards did not finish"
         status = "stopped_early"
-        if nothing_delivered(counts):
+        if counts.nothing_delivered():
             status, reason = "failed", f"{reason}; no row has a result, so no result file is published"
     timings = read_timings(job)
     busy = timings.get("generate", 0.0) + timings.get("estimate", 0.0)
