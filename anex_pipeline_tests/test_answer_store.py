@@ -16,18 +16,17 @@ from hypothesis import strategies as st
 
 from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.config import EngineConfig
-from anex_pipeline.formats import InputRow
+from anex_pipeline.job_admin import delete_job
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, EMBEDDINGS, fields_of
-from anex_pipeline.retention import delete_job
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions, RowOutcome
-from anex_pipeline.stages.answer_book import fingerprint
+from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
 from anex_pipeline.stages.answer_store import AnswerStore, engine_identity
+from anex_pipeline.stages.generate_answer_book import fingerprint
+from anex_pipeline.testing import fake_engine, shared_fake_engine
 from anex_pipeline.validate import check_body
 from anex_pipeline.workdir.manifest import JobManifest
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

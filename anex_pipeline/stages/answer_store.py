@@ -43,8 +43,8 @@ def engine_identity(config: EngineConfig, manifest: JobManifest) -> str:
     (its folder and name) with its parsers and every engine setting but those that only size it,
     vLLM's version, and the endpoint the rows were written for (a responses row runs as the chat
     row it means, and its answer is a Responses object)."""
-    from anex_pipeline.engine import vllm_settings
     from anex_pipeline.engine.engine_args import vllm_version
+    from anex_pipeline.engine.loader import vllm_settings
 
     settings = {k: v for k, v in dataclasses.asdict(vllm_settings(config, manifest)).items() if k not in SIZING}
     shape = {
