@@ -21,8 +21,8 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, EMBEDDINGS, fields_of
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
-from anex_pipeline.stages.answer_store import AnswerStore, engine_identity
 from anex_pipeline.stages.generate_answer_book import fingerprint
+from anex_pipeline.stages.generate_answer_store import AnswerStore, engine_identity
 from anex_pipeline.testing import fake_engine, shared_fake_engine
 from anex_pipeline.validate import check_body
 from anex_pipeline.workdir.manifest import JobManifest

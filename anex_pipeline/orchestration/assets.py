@@ -31,9 +31,9 @@ from anex_pipeline.orchestration.partitions import (
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.answer_store import open_store
 from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
 from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.generate_answer_store import open_store
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.merge_row_account import account_rows
 from anex_pipeline.stages.publish import publish_job

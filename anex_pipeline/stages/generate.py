@@ -17,9 +17,9 @@ from anex_pipeline.formats import StoredOutcome
 from anex_pipeline.responses import as_response
 from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.answer_store import AnswerStore, note_served
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.stages.generate_answer_book import AnswerBook, copy_for, fingerprint
+from anex_pipeline.stages.generate_answer_store import AnswerStore, note_served
 from anex_pipeline.stages.merge import RowTally
 from anex_pipeline.stopping import StopCheck, load_interruptibly
 from anex_pipeline.workdir.manifest import JobDir, JobManifest

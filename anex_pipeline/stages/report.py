@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
-from anex_pipeline.stages.answer_store import served_rows
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.stages.generate_answer_store import served_rows
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
 
