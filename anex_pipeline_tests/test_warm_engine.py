@@ -36,6 +36,8 @@ def first_checkpointed(work: Path, process: subprocess.Popen[str], timeout_s: fl
         time.sleep(0.05)
 
 
+@pytest.mark.subprocess
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_the_run_after_keep_engine_answers_within_seconds(tmp_path: Path) -> None:
     server_dir, work = tmp_path / "machine-server", tmp_path / "work"
@@ -75,6 +77,7 @@ def test_the_run_after_keep_engine_answers_within_seconds(tmp_path: Path) -> Non
         stop_server(server_dir)
 
 
+@pytest.mark.subprocess
 @pytest.mark.engine
 def test_without_a_warm_server_the_command_loads_its_own_engine_and_starts_none(tmp_path: Path) -> None:
     server_dir = tmp_path / "machine-server"
