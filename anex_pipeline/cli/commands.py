@@ -107,6 +107,7 @@ def _progress_logging(quiet: bool) -> None:
 
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
+    from anex_pipeline.engine.adapters import lora_modules_of
     from anex_pipeline.engine.config import EngineConfig
     from anex_pipeline.runner import JobRunner
     from anex_pipeline.storage import StorageConfig, default_work_root
@@ -126,6 +127,7 @@ def _runner(args: argparse.Namespace) -> Any:
         base_url=_base_url(args.base_url),
         api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
         max_concurrency=args.max_concurrency,
+        lora_modules=lora_modules_of(getattr(args, "engine_lora_modules", None) or []),
         **({"engine_args": given} if given is not None else {}),
     )
     _progress_logging(args.quiet)

@@ -153,6 +153,7 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         engine_args=canonical(config.engine_args),
         reasoning_parser=parsers.reasoning,
         tool_parser=parsers.tool,
+        lora_modules=canonical(manifest.job_options().lora_modules or {}),
     )
 
 

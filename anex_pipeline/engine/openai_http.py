@@ -337,8 +337,9 @@ def _next_row(waiting: list[tuple[float, int, _Row]], source: Iterator[EngineReq
 
 
 def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
-    """The row's body with the job's resolved values in force, as the server takes it."""
-    body = {**req.body, "model": model}
+    """The row's body with the job's resolved values in force, as the server takes it (a row on
+    a LoRA adapter names the adapter, which a server started with ``--lora-modules`` serves)."""
+    body = {**req.body, "model": req.adapter or model}
     if req.endpoint == "embeddings":
         # Vectors are normalised here, so they must arrive as numbers; a base64 row gets its
         # encoding here too, from the unit vector.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import logging
 import os
 from array import array
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.engine import cpu_environment
+from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import (
     EngineRequest,
     StopCheck,
@@ -97,6 +99,7 @@ class EngineSettings:
     engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
     reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
     tool_parser: str | None = None
+    lora_modules: str = "{}"  # the LoRA adapters loaded with the model, by name, as canonical JSON
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,12 @@ class VllmLocalEngine:
         given = {k: v for k, v in kwargs.items() if k not in ("model", "max_model_len")}
         tags = _reasoning_kwargs(settings, kwargs)
         self.llm = LLM(**kwargs)
+        self.adapters = AdapterRequests(json.loads(settings.lora_modules))
+        try:
+            self.adapters.load(self.llm.llm_engine)
+        except Exception:  # an adapter that does not fit the model: nothing of the engine stays
+            self.shutdown()
+            raise
         self.tokenizer = self.llm.get_tokenizer()
         config = self.llm.llm_engine.model_config
         self.max_model_len: int = config.max_model_len
@@ -445,7 +454,7 @@ class VllmLocalEngine:
         engine = self.llm.llm_engine
         with self.lanes.lock:
             try:
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=self.adapters.get(flight.req.adapter))
             except Exception as exc:
                 if engine_gone(self.llm):
                     raise
@@ -594,7 +603,7 @@ class VllmLocalEngine:
         if abnormal is not None:
             return engine_failure(req, f"generation ended abnormally ({abnormal})")
         choices = [self._generated(flight, answer) for answer in answers]
-        body = body_for(req.endpoint, req.request_id, self.model_name, *choices)
+        body = body_for(req.endpoint, req.request_id, req.adapter or self.model_name, *choices)
         usage = row_usage(body["usage"], req.endpoint)
         return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=usage)
 
