@@ -323,12 +323,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
+    from anex_pipeline.engine.adapters import adapter_problems
     from anex_pipeline.spec import JobRejected, Problem
     from anex_pipeline.stages.submit import check_input, model_problems
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
-    problems = [] if os.environ.get("ANEX_ENGINE_BASE_URL") else model_problems(options.model)
+    local = not os.environ.get("ANEX_ENGINE_BASE_URL")
+    problems = (model_problems(options.model) if local else []) + adapter_problems(options, endpoint, local)
     count, problem_count = 0, len(problems)
     for item in rows:
         if isinstance(item, Problem):
