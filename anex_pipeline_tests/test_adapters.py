@@ -77,13 +77,18 @@ def test_the_flag_takes_vllms_two_spellings() -> None:
 
 def test_the_engine_is_sized_for_the_largest_adapter(tmp_path: Path) -> None:
     small, large = adapter_folder(tmp_path / "small", r=8), adapter_folder(tmp_path / "large", r=20)
-    assert lora_kwargs({}) == {}
-    assert lora_kwargs({"s": str(small), "l": str(large)}) == {
+    modules = {"s": str(small), "l": str(large)}
+    assert lora_kwargs({}, on_cpu=True) == {}
+    assert lora_kwargs(modules, on_cpu=False) == {
         "enable_lora": True,
         "max_loras": 2,
         "max_cpu_loras": 2,
         "max_lora_rank": 32,  # vLLM reserves 1, 8, 16, 32, ...: the first that holds rank 20
     }
+    # the CPU build keeps a slot empty: its LoRA operations read a base row's slot as the last one
+    assert lora_kwargs(modules, on_cpu=True)["max_loras"] == 3
+    many = {f"a{n}": str(small) for n in range(12)}
+    assert lora_kwargs(many, on_cpu=False)["max_loras"] == 8 and lora_kwargs(many, on_cpu=False)["max_cpu_loras"] == 12
     patterned = adapter_folder(tmp_path / "patterned", r=8, rank_pattern={"q_proj": 64})
     assert adapter_rank(str(patterned)) == 64
 
@@ -190,6 +195,7 @@ def test_the_http_engine_and_the_machine_server_pass_adapters_through(tmp_path: 
     command = server_command(settings, 8000)
     assert command[command.index("--lora-modules") + 1] == f"sql={sql.resolve()}"
     assert "--enable-lora" in command and command[command.index("--max-lora-rank") + 1] == "16"
+    assert command[command.index("--max-loras") + 1] == "2"  # the CPU build's spare slot
 
 
 def test_batches_name_the_operators_adapters_and_never_a_path(tmp_path: Path, instance: Any) -> None:

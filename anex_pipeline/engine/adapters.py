@@ -156,17 +156,24 @@ def adapter_problems(options: JobOptions, endpoint: str, local: bool) -> list[Pr
     return problems
 
 
-def lora_kwargs(lora_modules: dict[str, str]) -> dict[str, Any]:
+def lora_kwargs(lora_modules: dict[str, str], on_cpu: bool) -> dict[str, Any]:
     """The engine arguments that let one engine serve the base model and these adapters (none
     without adapters): vLLM's smallest rank that holds the largest adapter, and room for all of
-    them in its CPU cache."""
+    them in its CPU cache.
+
+    On the CPU build the engine gets one adapter slot more than there are adapters, left empty:
+    vLLM's CPU LoRA operations look up a base-model row's slot (-1) as Python indexing does, so
+    they apply the adapter in the last slot to base rows batched with adapter rows. Slots fill
+    from the first, so with a spare one the last holds only zeros and base rows stay the base
+    model's; every adapter then has a slot of its own, as none can be evicted into the last."""
     if not lora_modules:
         return {}
     rank = max(adapter_rank(source) for source in lora_modules.values())
+    count = len(lora_modules)
     return {
         "enable_lora": True,
-        "max_loras": min(len(lora_modules), MAX_LORAS_AT_ONCE),
-        "max_cpu_loras": len(lora_modules),
+        "max_loras": count + 1 if on_cpu else min(count, MAX_LORAS_AT_ONCE),
+        "max_cpu_loras": count + 1 if on_cpu else count,
         "max_lora_rank": next(r for r in ENGINE_RANKS if r >= rank),
     }
 

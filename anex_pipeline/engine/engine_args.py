@@ -194,6 +194,6 @@ def engine_kwargs(settings: Any, on_cpu: bool) -> dict[str, Any]:
         "gpu_memory_utilization": settings.memory_share or (0.3 if on_cpu else 0.9),
         "enforce_eager": on_cpu,
         "seed": 0,
-        **lora_kwargs(json.loads(settings.lora_modules)),
+        **lora_kwargs(json.loads(settings.lora_modules), on_cpu),
     }
     return {**kwargs, **json.loads(settings.engine_args)}
