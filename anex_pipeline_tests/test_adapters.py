@@ -9,8 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from anex_pipeline.batch_api.objects import ApiError
 from anex_pipeline.batch_api.requests import ServedModels
 from anex_pipeline.cli import main
 from anex_pipeline.engine import register_engine
@@ -32,6 +37,7 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, RowOutcome
 from anex_pipeline.stages.answer_book import fingerprint
+from anex_pipeline.validate import ModelNames, check_body
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
 from anex_pipeline_tests.test_batch_api import client, create_raw, serving, wait
@@ -230,3 +236,45 @@ def test_batches_name_the_operators_adapters_and_never_a_path(tmp_path: Path, in
         assert failed.status == "failed" and failed.errors is not None and failed.errors.data
         error = failed.errors.data[0]
         assert (error.line, error.param) == (1, "body.model") and "adapters (sql)" in (error.message or "")
+
+
+hostile_names = st.one_of(
+    st.sampled_from(["/etc/passwd", "../../adapters/x", "~/.ssh", "sql/../../etc", "SQL", "sql ", "\x00", ""]),
+    st.text(max_size=40),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=hostile_names)
+def test_a_tenant_adapter_outside_the_operators_list_is_one_400(name: str) -> None:
+    served = ServedModels([], adapters=["sql"])
+    if name == "sql":
+        return
+    with pytest.raises(ApiError) as refused:
+        served.check_adapters({"adapter": name})
+    assert (refused.value.status, refused.value.body["error"]["param"]) == (400, "anex_options.adapter")
+    with pytest.raises(ApiError) as refused:
+        served.check_adapters({"lora_modules": {"sql": name}})
+    assert refused.value.body["error"]["param"] == "anex_options.lora_modules"
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=hostile_names)
+def test_a_row_naming_anything_but_the_jobs_model_or_adapters_is_refused_at_its_field(name: str) -> None:
+    names = ModelNames(BASE, [], ["sql", "chat"])
+    found = check_body({"model": name, "messages": [{"role": "user", "content": "Hi"}]}, "chat", names)
+    if name in names:
+        assert not found
+    else:
+        assert [p.field for p in found] == ["body.model"] and "chat, sql" in found[0].message
+
+
+def test_a_parquet_job_runs_on_its_job_level_adapter(tmp_path: Path, instance: Any) -> None:
+    sql = adapter_folder(tmp_path / "sql")
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["p1", "p2"], "prompt": ["Hi", "Ho"]}), src)
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine("lora-recorder"))
+    options = {"lora_modules": {"sql": str(sql)}, "adapter": "sql"}
+    report = run_job(runner, src, tmp_path / "out.parquet", options)
+    assert report.status == "completed" and report.rows_by_model == {"sql": 2}
+    assert RECORDER.adapters["p1"] == RECORDER.adapters["p2"] == "sql"
