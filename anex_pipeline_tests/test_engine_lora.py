@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 
-from anex_pipeline.engine import load_engine, vllm_settings
+from anex_pipeline.engine import load_engine, release_engines, vllm_settings
+from anex_pipeline.engine.machine_server import stop_server
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, prepare_default_chat_model
+from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.conftest import local_instance, read_jsonl, real_engine_resource, run_job, write_jsonl
 from anex_pipeline_tests.tiny_adapters import build_tiny_lora_adapter
 
 pytestmark = pytest.mark.engine
@@ -42,25 +45,52 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def test_base_rows_and_two_adapters_run_on_one_engine_and_match_vllms_own_lora_output(
-    tmp_path: Path, real_runner: JobRunner, adapters: dict[str, Path], caplog: pytest.LogCaptureFixture
-) -> None:
+def job_rows(adapters: dict[str, Path]) -> list[dict[str, Any]]:
+    """Base rows and each adapter's rows on the same prompts."""
     rows = [completion_row(f"base-{n}", p) for n, p in enumerate(PROMPTS)]
-    rows += [completion_row(f"{name}-{n}", p, model=name) for name in adapters for n, p in enumerate(PROMPTS)]
-    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    return rows + [completion_row(f"{name}-{n}", p, model=name) for name in adapters for n, p in enumerate(PROMPTS)]
+
+
+def answers(out: Path) -> dict[str, dict[str, Any]]:
+    lines = read_jsonl(out)
+    assert all(line["error"] is None for line in lines), [line["error"] for line in lines]
+    return {line["custom_id"]: line["response"]["body"] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def in_process(
+    tmp_path_factory: pytest.TempPathFactory, real_runner: JobRunner, adapters: dict[str, Path]
+) -> tuple[JobReport, dict[str, dict[str, Any]], list[logging.LogRecord]]:
+    """The mixed job on the in-process engine: its report, its answers and the loader's lines."""
+    folder = tmp_path_factory.mktemp("lora-job")
+    src = write_jsonl(folder / "in.jsonl", job_rows(adapters))
     options = {"lora_modules": {name: str(path) for name, path in adapters.items()}}
-    with caplog.at_level(logging.INFO, logger="anex_pipeline.progress"):
-        report = run_job(real_runner, src, tmp_path / "out.jsonl", options)
+    handler = logging.Handler()
+    records: list[logging.LogRecord] = []
+    handler.emit = records.append  # type: ignore[method-assign]
+    progress = logging.getLogger("anex_pipeline.progress")
+    progress.addHandler(handler)
+    level = progress.level
+    progress.setLevel(logging.INFO)
+    try:
+        report = run_job(real_runner, src, folder / "out.jsonl", options)
+    finally:
+        progress.removeHandler(handler)
+        progress.setLevel(level)
     assert report.status == "completed", report.failure_reason
-    loads = [r for r in caplog.records if r.getMessage().startswith("loading ") and "into vLLM" in r.getMessage()]
-    assert len(loads) <= 1  # one engine for the base model and both adapters (none if already loaded)
+    return report, answers(folder / "out.jsonl"), records
+
+
+def test_base_rows_and_two_adapters_run_on_one_engine_and_match_vllms_own_lora_output(
+    real_runner: JobRunner, adapters: dict[str, Path], in_process: Any
+) -> None:
+    report, bodies, records = in_process
+    loads = [r for r in records if r.getMessage().startswith("loading ") and "into vLLM" in r.getMessage()]
+    assert len(loads) == 1  # one engine for the base model and both adapters
     assert report.rows_by_model == {DEFAULT_CHAT_MODEL: 2, "terse": 2, "wordy": 2}
     assert report.engine is not None and report.engine["engine_args"]["enable_lora"] is True
     assert report.engine["engine_args"]["max_lora_rank"] == 16
     assert report.engine["engine_args"]["max_loras"] == 3  # a spare slot: base rows stay the base model's
-    lines = read_jsonl(tmp_path / "out.jsonl")
-    assert all(line["error"] is None for line in lines), [line["error"] for line in lines]
-    bodies = {line["custom_id"]: line["response"]["body"] for line in lines}
     for n in range(len(PROMPTS)):
         assert bodies[f"base-{n}"]["model"] == DEFAULT_CHAT_MODEL
         texts = {name: bodies[f"{name}-{n}"]["choices"][0]["text"] for name in ("base", *adapters)}
@@ -91,3 +121,30 @@ def test_base_rows_and_two_adapters_run_on_one_engine_and_match_vllms_own_lora_o
             values = [lp[t].logprob for t, lp in zip(theirs.token_ids, theirs.logprobs, strict=True)]
             own_values = own["logprobs"]["token_logprobs"]
             assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(own_values, values, strict=True))
+
+
+def test_the_machines_shared_server_serves_the_same_adapters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapters: dict[str, Path], in_process: Any
+) -> None:
+    """The job again through the machine's model server (``vllm serve`` with ``--enable-lora``
+    and ``--lora-modules``, rows sent over HTTP with their adapter's name): the same answers."""
+    release_engines()  # the in-process engine's memory and cores go to the server
+    folder = tmp_path / "machine-server"
+    monkeypatch.setenv("ANEX_MACHINE_SERVER_DIR", str(folder))
+    src = write_jsonl(tmp_path / "in.jsonl", job_rows(adapters))
+    options = {"lora_modules": {name: str(path) for name, path in adapters.items()}}
+    storage = StorageResource(work_root=str(tmp_path / "work"))
+    try:
+        with local_instance() as inst:
+            runner = JobRunner(inst, storage, real_engine_resource(machine_server=True))
+            report = run_job(runner, src, tmp_path / "out.jsonl", options)
+            runner.close()
+    finally:
+        stop_server(folder)
+    assert report.status == "completed", report.failure_reason
+    assert report.engine is not None and report.engine["kind"] == "machine_server"
+    served = answers(tmp_path / "out.jsonl")
+    for key, body in in_process[1].items():
+        assert served[key]["model"] == body["model"]
+        own, theirs = served[key]["choices"][0], body["choices"][0]
+        assert (own["text"], own["logprobs"]["tokens"]) == (theirs["text"], theirs["logprobs"]["tokens"]), key
