@@ -29,7 +29,7 @@ from anex_pipeline.engine.adapters import (
 from anex_pipeline.engine.base import EngineRequest, resolve_request
 from anex_pipeline.engine.machine_server import server_command
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import request_body
+from anex_pipeline.engine.openai_http import ServerUnavailable, request_body
 from anex_pipeline.engine.prefix_order import PrefixCache, prefix_order
 from anex_pipeline.engine.vllm_local import EngineSettings
 from anex_pipeline.formats import InputRow
@@ -41,6 +41,7 @@ from anex_pipeline.validate import ModelNames, check_body
 from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
 from anex_pipeline_tests.test_batch_api import client, create_raw, serving, wait
+from anex_pipeline_tests.test_http_engine import SERVED, FakeServer, engine_on
 
 
 def adapter_folder(folder: Path, **config: Any) -> Path:
@@ -278,3 +279,13 @@ def test_a_parquet_job_runs_on_its_job_level_adapter(tmp_path: Path, instance: A
     report = run_job(runner, src, tmp_path / "out.parquet", options)
     assert report.status == "completed" and report.rows_by_model == {"sql": 2}
     assert RECORDER.adapters["p1"] == RECORDER.adapters["p2"] == "sql"
+
+
+def test_a_model_server_without_the_jobs_adapters_is_refused_before_any_row() -> None:
+    server = FakeServer()
+    try:
+        with pytest.raises(ServerUnavailable, match=r"without the job.s adapter\(s\) sql; start it with --enable-lora"):
+            engine_on(server, model_name=SERVED, model_named=True, adapters=("sql",))
+        assert not server.received  # no row was sent
+    finally:
+        server.close()

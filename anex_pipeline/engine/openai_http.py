@@ -51,6 +51,7 @@ class HttpSettings:
     base_url: str | tuple[str, ...]
     model_name: str  # the job's model
     model_named: bool = False  # the job named its model, so the server must serve exactly that one
+    adapters: tuple[str, ...] = ()  # the job's LoRA adapters, which the server must serve too
     api_key: str | None = None
     max_concurrency: int = 32  # per server
     timeout_s: float = 600.0  # per request, generation included
@@ -168,6 +169,12 @@ class OpenAIHttpEngine:
                 f"{server.root}/v1/models is not an OpenAI model list ({exc!r}); "
                 "is base_url an OpenAI-compatible server?"
             ) from None
+        missing = [name for name in self.settings.adapters if name not in served]
+        if missing:
+            raise _Unusable(
+                f"the model server at {server.root} serves {served}, without the job's adapter(s) "
+                f"{', '.join(missing)}; start it with --enable-lora --lora-modules NAME=PATH for each"
+            )
         wanted = self.model_name or self.settings.model_name
         if wanted in served:
             self.model_name = wanted
