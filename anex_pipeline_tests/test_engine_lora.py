@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine import load_engine, release_engines, vllm_settings
-from anex_pipeline.engine.machine_server import stop_server
+from anex_pipeline.engine.machine_server import server_for, stop_server
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, prepare_default_chat_model
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
@@ -124,10 +124,18 @@ def test_base_rows_and_two_adapters_run_on_one_engine_and_match_vllms_own_lora_o
 
 
 def test_the_machines_shared_server_serves_the_same_adapters(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapters: dict[str, Path], in_process: Any
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    real_runner: JobRunner,
+    adapters: dict[str, Path],
+    in_process: Any,
 ) -> None:
-    """The job again through the machine's model server (``vllm serve`` with ``--enable-lora``
-    and ``--lora-modules``, rows sent over HTTP with their adapter's name): the same answers."""
+    """The machine's model server for the job's engine settings (``vllm serve`` with
+    ``--enable-lora`` and ``--lora-modules``), and the job again on it through the HTTP engine,
+    which names each row's adapter: the same answers as in-process."""
+    report, bodies, _ = in_process
+    manifest = JobDir(Path(real_runner.storage.work_root), report.job_id).manifest()
+    settings = vllm_settings(real_runner.engine.plain(), manifest)
     release_engines()  # the in-process engine's memory and cores go to the server
     folder = tmp_path / "machine-server"
     monkeypatch.setenv("ANEX_MACHINE_SERVER_DIR", str(folder))
@@ -135,16 +143,17 @@ def test_the_machines_shared_server_serves_the_same_adapters(
     options = {"lora_modules": {name: str(path) for name, path in adapters.items()}}
     storage = StorageResource(work_root=str(tmp_path / "work"))
     try:
+        server = server_for(settings, 300.0)
         with local_instance() as inst:
-            runner = JobRunner(inst, storage, real_engine_resource(machine_server=True))
-            report = run_job(runner, src, tmp_path / "out.jsonl", options)
+            runner = JobRunner(inst, storage, real_engine_resource(base_url=server.url, api_key=server.token))
+            served_report = run_job(runner, src, tmp_path / "out.jsonl", options)
             runner.close()
     finally:
         stop_server(folder)
-    assert report.status == "completed", report.failure_reason
-    assert report.engine is not None and report.engine["kind"] == "machine_server"
+    assert served_report.status == "completed", served_report.failure_reason
+    assert served_report.rows_by_model == report.rows_by_model
     served = answers(tmp_path / "out.jsonl")
-    for key, body in in_process[1].items():
+    for key, body in bodies.items():
         assert served[key]["model"] == body["model"]
         own, theirs = served[key]["choices"][0], body["choices"][0]
         assert (own["text"], own["logprobs"]["tokens"]) == (theirs["text"], theirs["logprobs"]["tokens"]), key
