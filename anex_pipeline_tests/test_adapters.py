@@ -9,16 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.batch_api.objects import ApiError
 from anex_pipeline.batch_api.requests import ServedModels
+from anex_pipeline.batches.objects import ApiError
 from anex_pipeline.cli import main
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.adapters import (
     AdapterError,
     adapter_rank,
@@ -26,22 +26,22 @@ from anex_pipeline.engine.adapters import (
     lora_modules_of,
     parse_lora_module,
 )
-from anex_pipeline.engine.base import EngineRequest, resolve_request
+from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
+from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, ServerUnavailable, request_body
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.machine_server import server_command
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import ServerUnavailable, request_body
 from anex_pipeline.engine.prefix_order import PrefixCache, prefix_order
-from anex_pipeline.engine.vllm_local import EngineSettings
-from anex_pipeline.formats import InputRow
+from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions, RowOutcome
-from anex_pipeline.stages.answer_book import fingerprint
+from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
+from anex_pipeline.stages.generate_answer_book import fingerprint
+from anex_pipeline.testing import fake_engine, shared_fake_engine
 from anex_pipeline.validate import ModelNames, check_body
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
-from anex_pipeline_tests.test_batch_api import client, create_raw, serving, wait
-from anex_pipeline_tests.test_http_engine import SERVED, FakeServer, engine_on
+from anex_pipeline_tests.harness.batch_api import KEY_A, client, serving, wait
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.openai_server import SERVED, FakeServer
 
 
 def adapter_folder(folder: Path, **config: Any) -> Path:
@@ -53,7 +53,7 @@ def adapter_folder(folder: Path, **config: Any) -> Path:
     return folder
 
 
-class Recorder:
+class Recorder(Engine):
     """The fake engine, noting the adapter each row reached it with."""
 
     model_name = "fake-model"
@@ -224,7 +224,9 @@ def test_batches_name_the_operators_adapters_and_never_a_path(tmp_path: Path, in
             ({"lora_modules": {"sql": str(sql)}}, "anex_options.lora_modules"),
             ({"adapter": "/etc/passwd"}, "anex_options.adapter"),
         ):
-            answer = create_raw(url, {**base, "anex_options": options})
+            answer = httpx.post(
+                f"{url}/batches", json={**base, "anex_options": options}, headers={"Authorization": f"Bearer {KEY_A}"}
+            )
             assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
         done = wait(sdk, sdk.batches.create(**base).id)
         assert done.status == "completed", done
@@ -285,7 +287,7 @@ def test_a_model_server_without_the_jobs_adapters_is_refused_before_any_row() ->
     server = FakeServer()
     try:
         with pytest.raises(ServerUnavailable, match=r"without the job.s adapter\(s\) sql; start it with --enable-lora"):
-            engine_on(server, model_name=SERVED, model_named=True, adapters=("sql",))
+            OpenAIHttpEngine(HttpSettings(base_url=server.url, model_name=SERVED, model_named=True, adapters=("sql",)))
         assert not server.received  # no row was sent
     finally:
         server.close()

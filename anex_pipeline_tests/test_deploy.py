@@ -30,8 +30,8 @@ from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_
 from dagster_postgres import DagsterPostgresStorage
 
 from anex_pipeline.orchestration.definitions import defs
+from anex_pipeline_tests.harness.jobs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.37.0"  # the newest schema set kubernetes-validate 1.37.0 ships offline
 GPU = "nvidia.com/gpu"
@@ -139,12 +139,14 @@ def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
 def test_dockerfiles_pass_hadolint(name: str) -> None:
     result = hadolint(DEPLOY / name)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+@pytest.mark.subprocess
 def test_hadolint_with_our_settings_still_reports_problems(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install requests\n")
@@ -384,8 +386,8 @@ SERVER_OWN = {"--served-model-name", "--host", "--port", "--max-model-len", "--g
 def test_the_gpu_step_the_vllm_server_and_the_machine_server_carry_the_same_engine_arguments(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from anex_pipeline.engine import vllm_settings
     from anex_pipeline.engine.engine_args import cli_flags
+    from anex_pipeline.engine.loader import vllm_settings
     from anex_pipeline.engine.machine_server import server_command
     from anex_pipeline.orchestration.resources import EngineResource
     from anex_pipeline.workdir.manifest import JobManifest

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from anex_pipeline.engine import load_engine, release_engines, vllm_settings
+from anex_pipeline.engine.loader import load_engine, release_engines, vllm_settings
 from anex_pipeline.engine.machine_server import server_for, stop_server
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, prepare_default_chat_model
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import local_instance, read_jsonl, real_engine_resource, run_job, write_jsonl
-from anex_pipeline_tests.tiny_adapters import build_tiny_lora_adapter
+from anex_pipeline_tests.harness.jobs import local_instance, read_jsonl, real_engine_resource, run_job, write_jsonl
+from anex_pipeline_tests.harness.tiny_adapters import build_tiny_lora_adapter
 
 pytestmark = pytest.mark.engine
 
