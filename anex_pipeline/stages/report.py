@@ -57,6 +57,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         reused_answer_rows=tally.reused - from_earlier_jobs,  # the copies made within the job
         reused_from_earlier_jobs=from_earlier_jobs,
         reused_sample_rows=_reused_sample_rows(job, manifest),
+        rows_by_model=manifest.rows_by_model,
         served_by=read_served(job),
         engine=read_engine(job),
         cost=_cost(manifest, usage),
