@@ -187,6 +187,16 @@ def test_a_row_differing_in_any_request_field_is_never_served(tmp_path: Path, en
         store.close()
 
 
+def test_weights_written_again_in_the_same_folder_are_another_identity(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"first")
+    before = engine_identity(EngineConfig(), manifest_for(CHAT, model=str(model)))
+    assert engine_identity(EngineConfig(), manifest_for(CHAT, model=str(model))) == before
+    (model / "model.safetensors").write_bytes(b"second weights")
+    assert engine_identity(EngineConfig(), manifest_for(CHAT, model=str(model))) != before
+
+
 @pytest.mark.parametrize(
     "changed",
     [

@@ -40,21 +40,33 @@ SIZING = ("memory_share", "kv_cache_gib")
 
 def engine_identity(config: EngineConfig, manifest: JobManifest) -> str:
     """What answers a job's rows, as far as the answers go: the engine kind and servers, the model
-    (its folder and name) with its parsers and every engine setting but those that only size it,
-    vLLM's version, and the endpoint the rows were written for (a responses row runs as the chat
-    row it means, and its answer is a Responses object)."""
+    (its folder and name) with its parsers, adapters and every engine setting but those that only
+    size it, the files of the model's and adapters' local folders, vLLM's version, and the
+    endpoint the rows were written for (a responses row runs as the chat row it means, and its
+    answer is a Responses object)."""
     from anex_pipeline.engine.engine_args import vllm_version
     from anex_pipeline.engine.loader import vllm_settings
 
     settings = {k: v for k, v in dataclasses.asdict(vllm_settings(config, manifest)).items() if k not in SIZING}
+    folders = [settings["model"], *json.loads(settings.get("lora_modules") or "{}").values()]
     shape = {
         "kind": config.kind,
         "servers": config.base_url,
         "settings": settings,
         "vllm": vllm_version(),
         "endpoint": manifest.endpoint,
+        "files": [_files_of(str(folder)) for folder in folders],
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
+
+
+def _files_of(folder: str) -> list[tuple[str, int, int]]:
+    """The files of a local model or adapter folder by name, size and modification time, so that
+    weights written again under the same path are another identity (a hub id gives none)."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return []
+    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
 
 
 class AnswerStore:
