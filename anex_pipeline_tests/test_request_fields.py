@@ -184,6 +184,29 @@ def test_truncate_prompt_tokens_cuts_the_prompt_the_in_process_engine_sends() ->
     assert request_body(cut, "m")["truncate_prompt_tokens"] == 3
 
 
+def test_mm_processor_kwargs_reach_the_multimodal_processor_with_the_templates_arguments() -> None:
+    """A media row on a multimodal model goes through vLLM's chat renderer: the row's processor
+    arguments and template arguments are what it is handed."""
+    seen: list[Any] = []
+
+    def render_chat(conversations: list[Any], params: Any) -> tuple[None, list[dict[str, Any]]]:
+        seen.append(params)
+        return None, [{"prompt_token_ids": [1, 2, 3]}]
+
+    found = object.__new__(PromptRenderer)
+    found.llm = SimpleNamespace(renderer=SimpleNamespace(render_chat=render_chat))
+    found.multimodal, found.modalities, found.audio_rate = True, frozenset({"image"}), None
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    size = {"size": {"longest_edge": 64}}
+    req = resolved(CHAT, messages=messages, mm_processor_kwargs=size, add_generation_prompt=False)
+    assert found.prompt(req)[1] == [1, 2, 3]
+    (params,) = seen
+    assert params.mm_processor_kwargs == size
+    assert params.chat_template_kwargs["add_generation_prompt"] is False
+    assert request_body(req, "m")["mm_processor_kwargs"] == size
+
+
 def stepping(policy: str) -> Stepper:
     loop = object.__new__(Stepper)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(policy=policy))
