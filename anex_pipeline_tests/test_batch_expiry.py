@@ -4,13 +4,23 @@ error file with ``batch_expired``, as OpenAI's Batch API does."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
 import pytest
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.harness.batch_api import client, content, rows, serve_process, serving, submit, wait
+from anex_pipeline_tests.harness.batch_api import (
+    client,
+    content,
+    rows,
+    serve_process,
+    serving,
+    submit,
+    wait,
+    wait_for_rows,
+)
 from anex_pipeline_tests.harness.jobs import write_jsonl
 
 WINDOW_S = 10
@@ -60,3 +70,25 @@ def test_a_window_is_24h_or_a_longer_whole_number_of_hours_up_to_a_week(tmp_path
             assert isinstance(error, dict) and error["param"] == "completion_window", error
             assert "'168h'" in error["message"]
         assert wait(sdk, week.id).status == "completed"
+
+
+@pytest.mark.subprocess
+def test_the_window_holds_across_a_restart_of_the_service(tmp_path: Path) -> None:
+    """serve stops (SIGTERM: the batch stays in progress) and starts again after the batch's
+    expires_at: the batch does not get a new window, it ends expired with the rows it had."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(300))
+    with serve_process(tmp_path, "--max-completion-window", f"{WINDOW_S}s") as (_, url):
+        sdk = client(url)
+        batch = submit(sdk, src, {"max_tokens": 4, "checkpoint_rows": 1})
+        wait_for_rows(sdk, batch.id, 1)
+        assert sdk.batches.retrieve(batch.id).status == "in_progress"
+    while time.time() < batch.expires_at + 1:  # the window ends while the service is down
+        time.sleep(0.2)
+    with serve_process(tmp_path, "--max-completion-window", f"{WINDOW_S}s") as (_, url):
+        sdk = client(url)
+        ended = wait(sdk, batch.id, timeout=120)
+        assert ended.status == "expired" and ended.expires_at == batch.expires_at
+        delivered = content(sdk, ended.output_file_id)
+        unrun = content(sdk, ended.error_file_id)
+    assert delivered and {line["error"]["code"] for line in unrun} == {"batch_expired"}
+    assert len(delivered) + len(unrun) == 300

@@ -417,7 +417,7 @@ def _window_end(record: BatchRecord) -> tuple[float, str] | None:
     """When the batch's completion window ends, and the reason its job stops then."""
     if record.expires_at is None:  # a batch stored before its window was kept
         return None
-    return float(record.expires_at), f"the batch's completion window ({record.completion_window}) ended"
+    return float(record.expires_at), f"the batch's completion window ended at its expires_at ({record.expires_at})"
 
 
 def _unrun_code(record: BatchRecord) -> str | None:
