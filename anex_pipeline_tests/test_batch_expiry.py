@@ -4,12 +4,14 @@ error file with ``batch_expired``, as OpenAI's Batch API does."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
+from anex_pipeline.cli.parser import window_seconds
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.batch_api import (
     client,
@@ -92,3 +94,14 @@ def test_the_window_holds_across_a_restart_of_the_service(tmp_path: Path) -> Non
         unrun = content(sdk, ended.error_file_id)
     assert delivered and {line["error"]["code"] for line in unrun} == {"batch_expired"}
     assert len(delivered) + len(unrun) == 300
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("12h", 43200)])
+def test_the_operators_window_is_a_duration(text: str, seconds: int) -> None:
+    assert window_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["5x", "0s", "1.5h", "h", "-3m", "١٢h"])
+def test_a_window_that_is_not_a_whole_duration_is_refused_with_examples(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="such as 90s, 30m or 12h"):
+        window_seconds(text)
