@@ -71,6 +71,13 @@ BODY_FIELDS: dict[str, BodyField] = {
     "logit_bias": BodyField((dict,), sampling=True),
     "bad_words": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),  # vLLM's extras
     "allowed_token_ids": BodyField((list,), CHAT_AND_COMPLETIONS, sampling=True),
+    "prompt_logprobs": BodyField((int,), CHAT_AND_COMPLETIONS, sampling=True),
+    # vLLM's extras that act before sampling: the prompt's tokens, the template, the scheduler
+    "truncate_prompt_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "priority": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "add_generation_prompt": BodyField((bool,), frozenset({CHAT})),
+    "continue_final_message": BodyField((bool,), frozenset({CHAT})),
+    "mm_processor_kwargs": BodyField((dict,), frozenset({CHAT})),
     # lengths, output shape and the envelope
     "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
     "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),

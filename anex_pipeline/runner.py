@@ -124,25 +124,41 @@ class JobRunner:
         self._execute("submit_job", job.job_id)
         return job
 
-    def run(self, job: JobDir, shards: Sequence[int] | None = None, *, clear_stop: bool = True) -> JobReport:
+    def run(
+        self,
+        job: JobDir,
+        shards: Sequence[int] | None = None,
+        *,
+        clear_stop: bool = True,
+        until: tuple[float, str] | None = None,
+    ) -> JobReport:
         """Estimate, generate the chosen shards (by default every shard with rows left), merge and publish.
 
         Running a job again resumes it, so an earlier stop is cleared first; a caller that
         cleared it itself (and must not lose a stop asked since) passes ``clear_stop=False``.
+        ``until``: a Unix time the run stops at, as at its time limit, and why (see
+        :meth:`JobDir.start_clock`).
         """
         manifest = job.manifest()
         self._hold(job)
         try:
-            return self._run(job, manifest, shards, clear_stop)
+            return self._run(job, manifest, shards, clear_stop, until)
         finally:
             self._leases.pop(job.job_id).close()
             self._early_loads.discard(job.job_id)  # a later run of the job may load ahead again
 
-    def _run(self, job: JobDir, manifest: JobManifest, shards: Sequence[int] | None, clear: bool) -> JobReport:
+    def _run(
+        self,
+        job: JobDir,
+        manifest: JobManifest,
+        shards: Sequence[int] | None,
+        clear: bool,
+        until: tuple[float, str] | None,
+    ) -> JobReport:
         self._register(job)
         if clear:
             clear_stop(job)
-        job.start_clock(manifest.job_options().time_limit_s)
+        job.start_clock(manifest.job_options().time_limit_s, until)
         self._load_engine_early(job, manifest)
         stop = StopCheck(job)
         try:

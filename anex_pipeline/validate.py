@@ -79,7 +79,9 @@ INTEGER_RANGES = {
     "min_tokens": (0, INT32_MAX),
     "top_k": (-1, INT32_MAX),
     "reasoning_budget": (0, INT32_MAX),
-    "truncate_prompt_tokens": (-1, INT32_MAX),
+    "truncate_prompt_tokens": (-1, INT32_MAX),  # -1: the model's context
+    "prompt_logprobs": (0, MAX_LOGPROBS),
+    "priority": (INT64_MIN, INT64_MAX),
     "dimensions": (1, INT32_MAX),
     "n": (1, MAX_CHOICES),
     "top_logprobs": (0, MAX_LOGPROBS),
@@ -99,7 +101,6 @@ NUMBER_FIELDS = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
-        "length_penalty",
         "logit_bias",
     }
 )
@@ -195,12 +196,31 @@ def check_body(
     if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
         problems.append(FieldProblem("body.reasoning_effort", message))
+    if endpoint == "chat" and body.get("continue_final_message") is True:
+        problems += _check_continuation(body)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {kind_of(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+def _check_continuation(body: dict[str, Any]) -> list[FieldProblem]:
+    """A row that continues its last message: vLLM's template takes that message as the start of
+    the answer, so it must be the assistant's, and the prompt then gets no new assistant turn."""
+    if body.get("add_generation_prompt") is True:
+        message = "cannot be true together with add_generation_prompt; set add_generation_prompt to false or remove it"
+        return [FieldProblem("body.continue_final_message", message)]
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if isinstance(last, dict) and last.get("role") != "assistant":
+        message = (
+            "must be 'assistant' when continue_final_message is true (the answer continues that "
+            "message); end the messages with the assistant's start, or remove continue_final_message"
+        )
+        return [FieldProblem(f"body.messages[{len(messages) - 1}].role", message)]
+    return []
 
 
 def _unknown_model(model: str, model_names: frozenset[str]) -> str:

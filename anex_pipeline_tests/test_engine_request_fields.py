@@ -19,7 +19,7 @@ from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, writ
 pytestmark = pytest.mark.engine
 
 
-def completion_row(cid: str, prompt: str, **body: Any) -> dict[str, Any]:
+def completion_row(cid: str, prompt: str | list[int], **body: Any) -> dict[str, Any]:
     return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
 
 
@@ -217,3 +217,54 @@ SCHEMA = {
     "required": ["name"],
     "additionalProperties": False,
 }
+
+
+def test_vllms_extras_continue_a_message_cut_a_prompt_and_give_prompt_logprobs(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    from transformers import AutoTokenizer
+
+    from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(local_model_path(DEFAULT_CHAT_MODEL))
+    continued = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    ids = tokenizer.encode(continued, add_special_tokens=False)
+    greedy = {"max_tokens": 4, "temperature": 0}
+    chat = {"method": "POST", "url": "/v1/chat/completions"}
+    rows = [
+        {**chat, "custom_id": "continue", "body": {"messages": messages, "continue_final_message": True, **greedy}},
+        {**chat, "custom_id": "new-turn", "body": {"messages": messages, **greedy}},
+        {**chat, "custom_id": "prompt-lp", "body": {"messages": messages[:1], "prompt_logprobs": 2, **greedy}},
+        {**chat, "custom_id": "priority", "body": {"messages": messages[:1], "priority": 5, **greedy}},
+    ]
+    src = write_jsonl(tmp_path / "chat.jsonl", rows)
+    assert run_job(real_runner, src, tmp_path / "chat.out.jsonl").status == "completed"
+    got = {line["custom_id"]: line for line in read_jsonl(tmp_path / "chat.out.jsonl")}
+    # the prompt is the template's continuation of the assistant's words, token for token
+    cont = ChatCompletion.model_validate(got["continue"]["response"]["body"])
+    assert cont.usage is not None and cont.usage.prompt_tokens == len(ids)
+    turn = ChatCompletion.model_validate(got["new-turn"]["response"]["body"])
+    assert turn.usage is not None and turn.usage.prompt_tokens > len(ids)  # the turn closed, a new one opened
+    # prompt logprobs at the body's top level, as vLLM's server has them: none for the first token
+    body = got["prompt-lp"]["response"]["body"]
+    per_token = body["prompt_logprobs"]
+    assert len(per_token) == body["usage"]["prompt_tokens"] and per_token[0] is None
+    assert all(2 <= len(alts) <= 3 and all(a["logprob"] <= 0 for a in alts.values()) for alts in per_token[1:])
+    # the session's engine schedules first come, first served: a priority is refused with its field
+    error = got["priority"]["error"]
+    assert error["param"] == "priority" and "scheduling_policy=priority" in error["message"]
+
+    completions = [
+        completion_row("same", ids, **greedy),
+        completion_row("cut", "one two three four five six seven eight nine ten", truncate_prompt_tokens=3, **greedy),
+    ]
+    src = write_jsonl(tmp_path / "completions.jsonl", completions)
+    assert run_job(real_runner, src, tmp_path / "completions.out.jsonl").status == "completed"
+    done = bodies(tmp_path / "completions.out.jsonl")
+    assert Completion.model_validate(done["same"]).choices[0].text == cont.choices[0].message.content
+    cut = Completion.model_validate(done["cut"])
+    assert cut.usage is not None and cut.usage.prompt_tokens == 3

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 from anex_pipeline.engine.base import EngineRequest, resolve_request
 from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.structured import mark_completion
+from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler
+from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.request_fields import (
     CHAT,
@@ -28,6 +31,7 @@ from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
 from anex_pipeline.validate import check_body
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+ASSISTANT_LAST = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
 # A value for each field that goes to the sampler, and the SamplingParams attribute and value it
 # must give there (the attribute is the field's name unless given).
 SAMPLED: dict[str, tuple[Any, str, Any]] = {
@@ -51,6 +55,7 @@ SAMPLED: dict[str, tuple[Any, str, Any]] = {
     "max_tokens": (9, "max_tokens", 9),
     "max_completion_tokens": (8, "max_tokens", 8),
     "n": (3, "n", 3),
+    "prompt_logprobs": (3, "prompt_logprobs", 3),
 }
 # Fields whose effect is elsewhere than in a SamplingParams attribute of the same meaning.
 APPLIED_ELSEWHERE = {
@@ -64,6 +69,11 @@ APPLIED_ELSEWHERE = {
     "parallel_tool_calls",
     "chat_template_kwargs",  # the chat template's arguments (below)
     "reasoning_effort",
+    "add_generation_prompt",  # the template's arguments (below)
+    "continue_final_message",
+    "mm_processor_kwargs",  # the multimodal processor's arguments, on a media row
+    "truncate_prompt_tokens",  # the prompt's tokens (below)
+    "priority",  # the scheduler's order (below)
     "stream",  # refused when true
     "stream_options",
     "user",  # OpenAI's envelope: no bearing on the answer
@@ -119,6 +129,100 @@ def test_chat_reasoning_effort_is_the_templates_argument_on_both_engines() -> No
     assert own.chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": False}
     problems = check_body({"messages": MESSAGES, "reasoning_effort": "huge"}, "chat", frozenset())
     assert [(p.field, "low" in p.message) for p in problems] == [("body.reasoning_effort", True)]
+
+
+def test_the_template_ends_with_a_new_turn_or_continues_the_last_message_on_both_engines() -> None:
+    assert resolved(CHAT).template_arguments == {"add_generation_prompt": True, "continue_final_message": False}
+    req = resolved(CHAT, messages=ASSISTANT_LAST, continue_final_message=True)
+    assert req.template_arguments == {"add_generation_prompt": False, "continue_final_message": True}
+    assert request_body(req, "m")["continue_final_message"] is True  # sent as it is
+    bare = resolved(CHAT, add_generation_prompt=False, chat_template_kwargs={"x": 1})
+    assert bare.template_arguments == {"add_generation_prompt": False, "continue_final_message": False, "x": 1}
+    assert request_body(bare, "m")["add_generation_prompt"] is False
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "says"),
+    [
+        ({"messages": MESSAGES, "continue_final_message": True}, "body.messages[0].role", "must be 'assistant'"),
+        (
+            {"messages": ASSISTANT_LAST, "continue_final_message": True, "add_generation_prompt": True},
+            "body.continue_final_message",
+            "cannot be true together with add_generation_prompt",
+        ),
+        ({"messages": MESSAGES, "prompt_logprobs": 21}, "body.prompt_logprobs", "outside the range"),
+        ({"messages": MESSAGES, "truncate_prompt_tokens": -2}, "body.truncate_prompt_tokens", "outside the range"),
+        ({"messages": MESSAGES, "priority": 1.5}, "body.priority", "integer"),
+        ({"messages": MESSAGES, "mm_processor_kwargs": []}, "body.mm_processor_kwargs", "object"),
+        ({"prompt": "x", "continue_final_message": True}, "body.continue_final_message", "only of chat"),
+    ],
+)
+def test_vllms_extras_are_refused_at_submit_with_their_field(body: dict[str, Any], field: str, says: str) -> None:
+    endpoint = COMPLETIONS if "prompt" in body else CHAT
+    problems = check_body(body, endpoint, frozenset({"m"}))  # type: ignore[arg-type]
+    assert [p.field for p in problems] == [field] and says in problems[0].message, problems
+
+
+def renderer(side: str | None, context: int = 8) -> PromptRenderer:
+    """The in-process engine's prompt renderer over a tokenizer that truncates on ``side``."""
+    found = object.__new__(PromptRenderer)
+    found.tokenizer = SimpleNamespace(truncation_side=side)
+    found.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=context)))
+    return found
+
+
+def test_truncate_prompt_tokens_cuts_the_prompt_the_in_process_engine_sends() -> None:
+    ids = list(range(10))
+    cut = resolved(COMPLETIONS, truncate_prompt_tokens=3)
+    assert renderer("left")._truncated(cut, ids) == [7, 8, 9]  # the last tokens, as vLLM keeps them
+    assert renderer("right")._truncated(cut, ids) == [0, 1, 2]
+    assert renderer("left")._truncated(resolved(COMPLETIONS, truncate_prompt_tokens=-1), ids) == ids[2:]
+    assert renderer("left")._truncated(resolved(COMPLETIONS), ids) == ids
+    with pytest.raises(RequestProblem) as refused:
+        renderer("left")._truncated(resolved(COMPLETIONS, truncate_prompt_tokens=9), ids)
+    assert refused.value.param == "truncate_prompt_tokens" and "at most 8" in refused.value.message
+    assert request_body(cut, "m")["truncate_prompt_tokens"] == 3
+
+
+def test_mm_processor_kwargs_reach_the_multimodal_processor_with_the_templates_arguments() -> None:
+    """A media row on a multimodal model goes through vLLM's chat renderer: the row's processor
+    arguments and template arguments are what it is handed."""
+    seen: list[Any] = []
+
+    def render_chat(conversations: list[Any], params: Any) -> tuple[None, list[dict[str, Any]]]:
+        seen.append(params)
+        return None, [{"prompt_token_ids": [1, 2, 3]}]
+
+    found = object.__new__(PromptRenderer)
+    found.llm = SimpleNamespace(renderer=SimpleNamespace(render_chat=render_chat))
+    found.multimodal, found.modalities, found.audio_rate = True, frozenset({"image"}), None
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    size = {"size": {"longest_edge": 64}}
+    req = resolved(CHAT, messages=messages, mm_processor_kwargs=size, add_generation_prompt=False)
+    assert found.prompt(req)[1] == [1, 2, 3]
+    (params,) = seen
+    assert params.mm_processor_kwargs == size
+    assert params.chat_template_kwargs["add_generation_prompt"] is False
+    assert request_body(req, "m")["mm_processor_kwargs"] == size
+
+
+def stepping(policy: str) -> Stepper:
+    loop = object.__new__(Stepper)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(policy=policy))
+    loop.llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
+    return loop
+
+
+def test_priority_reaches_a_priority_scheduled_engine_and_is_refused_by_another() -> None:
+    req = resolved(CHAT, priority=-3)
+    assert stepping("priority")._priority(req) == -3
+    assert stepping("fcfs")._priority(resolved(CHAT)) == 0
+    assert stepping("fcfs")._priority(resolved(CHAT, priority=0)) == 0
+    with pytest.raises(RequestProblem) as refused:
+        stepping("fcfs")._priority(req)
+    assert refused.value.param == "priority" and "scheduling_policy=priority" in refused.value.message
+    assert request_body(req, "m")["priority"] == -3
 
 
 def choice(text: str, finish: str = "stop") -> dict[str, Any]:

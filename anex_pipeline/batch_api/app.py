@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from anex_pipeline import metrics
-from anex_pipeline.batch_api.requests import ServedModels, batch_options, upload_expiry
+from anex_pipeline.batch_api.requests import ServedModels, batch_options, completion_window_s, upload_expiry
 from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
 from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
 from anex_pipeline.batches.objects import (
@@ -69,12 +69,14 @@ class BatchApi:
         key_hashes: frozenset[str],
         media: MediaOptions,
         models: ServedModels,
+        max_window_s: int | None = None,
     ):
         self.store = store
         self.worker = worker
         self.key_hashes = key_hashes
         self.media = media
         self.models = models
+        self.max_window_s = max_window_s
 
     def owner(self, request: Request) -> str:
         """The hash of the caller's API key, or a 401."""
@@ -185,6 +187,7 @@ class BatchApi:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
         options = batch_options(body, self.media, self.models)
+        window_s = completion_window_s(body.completion_window, self.max_window_s)
         batch_id = new_id("batch_")
         embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
         input_file_id = embedded.id if embedded is not None else body.input_file_id or ""
@@ -194,7 +197,8 @@ class BatchApi:
             endpoint=body.endpoint,
             input_file_id=input_file_id,
             completion_window=body.completion_window,
-            created_at=now(),
+            created_at=(created := now()),
+            expires_at=created + window_s,
             metadata=body.metadata,
             model=options.get("model"),
             options=options,
@@ -377,6 +381,7 @@ def create_app(
     max_running_batches: int = MAX_RUNNING,
     webhook: WebhookSettings | None = None,
     warm_up: bool = True,
+    max_completion_window_s: int | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
@@ -385,7 +390,9 @@ def create_app(
     :class:`~anex_pipeline.batch_api.requests.ServedModels`).
     Up to ``max_running_batches`` batches generate at once, sharing the engine. With ``webhook``,
     every batch that ends sends its event there (see :mod:`~anex_pipeline.batch_api.webhooks`).
-    With ``warm_up``, the engine of the default model starts loading as the service starts."""
+    With ``warm_up``, the engine of the default model starts loading as the service starts.
+    ``max_completion_window_s`` cuts every batch's completion window to that many seconds: a
+    batch still running at the end of its window ends ``expired``."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -397,7 +404,7 @@ def create_app(
         )
     worker = BatchWorker(runner, store, max_running_batches)
     served = ServedModels(models, adapters=list(runner.engine.lora_modules))
-    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served)
+    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s)
     store.keep_events = webhook is not None
     sender = WebhookSender(store, webhook) if webhook is not None else None
 

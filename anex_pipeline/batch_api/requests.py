@@ -6,6 +6,7 @@ policy), its metadata, and an upload's expiry. Each refusal is an
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ MAX_METADATA_VALUE = 512
 
 
 MAX_OPTIONS_BYTES = 1024 * 1024  # a batch's job options, as UTF-8 JSON
+WINDOW_HOURS = (24, 168)  # the completion windows a batch may ask for: OpenAI's one, up to a week
 MAX_SYSTEM_PROMPT_BYTES = 256 * 1024  # the job option system_prompt, in UTF-8
 
 
@@ -110,6 +112,24 @@ class ServedModels:
         return asked
 
 
+def completion_window_s(window: str, longest_s: int | None) -> int:
+    """How long a batch may run, in seconds: its ``completion_window``, "24h" (OpenAI's only value)
+    or a longer whole number of hours up to a week (a queue of one's own GPUs may be worth waiting
+    for), cut to the operator's ``longest_s`` (``serve --max-completion-window``); a 400 naming
+    the field for any other value."""
+    hours = re.fullmatch(r"([0-9]+)h", window)
+    if hours is None or not WINDOW_HOURS[0] <= int(hours[1]) <= WINDOW_HOURS[1]:
+        low, high = WINDOW_HOURS
+        raise ApiError(
+            400,
+            f"completion_window must be '{low}h' (OpenAI's window) or a whole number of hours up to "
+            f"'{high}h', got {window!r}.",
+            param="completion_window",
+        )
+    seconds = int(hours[1]) * 3600
+    return seconds if longest_s is None else min(seconds, longest_s)
+
+
 def _reference(name: str) -> str:
     """What a model name stands for (a bundled model's aliases are one model); no file is read."""
     return resolve_model(name, "chat")[0]
@@ -125,12 +145,6 @@ def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) 
             400,
             f"endpoint {body.endpoint!r} is not supported here; use one of {supported}.",
             param="endpoint",
-        )
-    if body.completion_window != "24h":
-        raise ApiError(
-            400,
-            f"completion_window must be '24h', got {body.completion_window!r}.",
-            param="completion_window",
         )
     if (body.input_file_id is None) == (body.requests is None):
         raise ApiError(

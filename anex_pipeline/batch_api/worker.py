@@ -10,9 +10,10 @@ large one. Batches of another model wait until the running ones are done, since 
 one model. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
 generation notices at its next engine step: the rows in flight are aborted, the finished ones are
 delivered, and every row that never ran is answered in the error file with ``batch_cancelled``
-(``batch_expired`` when the job ran out of its time limit). Closing the service (or SIGINT/SIGTERM
-to it) stops the running job the same way but leaves the batch in progress: the next start
-resumes it from its checkpoints.
+(``batch_expired`` when its completion window, or the job's time limit, ended first: the
+batch's ``expires_at`` is the job's deadline, kept across restarts of the service). Closing the
+service (or SIGINT/SIGTERM to it) stops the running job the same way but leaves the batch in
+progress: the next start resumes it from its checkpoints.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ LOST = "the batch's work and its copy of the input were removed from the service
 # Error of a row that never ran, by the code OpenAI gives it.
 UNRUN = {
     "batch_cancelled": "the request was not run: the batch was cancelled before it ran",
-    "batch_expired": "the request was not run: the batch reached its time limit before it ran",
+    "batch_expired": "the request was not run: the batch's completion window ended before it ran",
 }
 
 
@@ -305,7 +306,7 @@ class BatchWorker:
                 return
             if record.cancelling_at is None:
                 with sharing_as(record.owner):  # the engine's room is shared out per API key
-                    self.runner.run(job, clear_stop=False)
+                    self.runner.run(job, clear_stop=False, until=_window_end(record))
                 if self._closing.is_set():
                     return  # not finished: the next start resumes it
         finally:
@@ -315,7 +316,7 @@ class BatchWorker:
                 self._models += Counter()  # drops models no batch runs any more
                 self._turn.notify_all()
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
-            self.runner.run(job, shards=[], clear_stop=False)
+            self.runner.run(job, shards=[], clear_stop=False, until=_window_end(record))
         self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
 
     def _check_again(self, record: BatchRecord) -> None:
@@ -410,6 +411,13 @@ class _Saved:
     completed: int = 0
     failed: int = 0
     usage: Usage = dataclasses.field(default_factory=Usage)
+
+
+def _window_end(record: BatchRecord) -> tuple[float, str] | None:
+    """When the batch's completion window ends, and the reason its job stops then."""
+    if record.expires_at is None:  # a batch stored before its window was kept
+        return None
+    return float(record.expires_at), f"the batch's completion window ended at its expires_at ({record.expires_at})"
 
 
 def _unrun_code(record: BatchRecord) -> str | None:

@@ -137,6 +137,7 @@ class BatchRecord(BaseModel):
     input_file_id: str
     completion_window: str
     created_at: int
+    expires_at: int | None = None  # the end of its completion window, which the worker keeps (None: no end kept)
     metadata: dict[str, str] | None = None
     model: str | None = None  # as asked for; the job's own model name once it is known
     options: dict[str, Any] = Field(default_factory=dict)  # the job options the batch runs with
@@ -192,7 +193,7 @@ class BatchRecord(BaseModel):
             "error_file_id": self.error_file_id,
             "created_at": self.created_at,
             "in_progress_at": self.in_progress_at,
-            "expires_at": self.created_at + 24 * 3600,
+            "expires_at": self.expires_at,
             "finalizing_at": self.finalizing_at,
             "completed_at": self.completed_at,
             "failed_at": self.failed_at,

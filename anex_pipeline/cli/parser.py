@@ -285,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches generating at once, their rows batched together on the one engine (default: 4)",
     )
     srv.add_argument(
+        "--max-completion-window",
+        type=window_seconds,
+        default=None,
+        metavar="DURATION",
+        help="the longest any batch may run, e.g. 90s, 30m or 12h: a batch's completion_window (24h, or up "
+        "to 168h) is cut to it, its expires_at shows the end, and a batch still running then ends expired "
+        "(default: the batch's own window)",
+    )
+    srv.add_argument(
         "--webhook-url",
         default=None,
         metavar="URL",
@@ -328,6 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     ms = sub.add_parser("machine-server", help="show or stop the model server this machine's Dagster steps share")
     ms.add_argument("action", choices=["status", "stop"], help="status: print it; stop: stop it now")
     return parser
+
+
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def window_seconds(text: str) -> int:
+    """A duration such as ``90s``, ``30m`` or ``12h``, in whole seconds (at least 1)."""
+    number, unit = text.strip()[:-1], text.strip()[-1:]
+    if unit not in WINDOW_UNITS or not number.isascii() or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of s, m or h, such as 90s, 30m or 12h; got {text!r}")
+    return int(number) * WINDOW_UNITS[unit]
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:

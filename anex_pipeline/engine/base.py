@@ -54,6 +54,18 @@ class EngineRequest:
     adapter: str | None = None  # the LoRA adapter the row runs on (its name); None: the base model
 
     @property
+    def template_arguments(self) -> dict[str, Any]:
+        """The chat template's arguments, as vLLM's server gives them: whether the prompt ends
+        with a new assistant turn or continues the last message (vLLM's extras, default a new
+        turn), then the row's own arguments and those its reasoning effort set."""
+        continues = self.body.get("continue_final_message") is True
+        return {
+            "add_generation_prompt": self.body.get("add_generation_prompt", not continues),
+            "continue_final_message": continues,
+            **self.chat_template_kwargs,
+        }
+
+    @property
     def constraint_field(self) -> str | None:
         """The field whose constraint holds the row's generation, if any."""
         if self.body.get("structured_outputs") is not None:

@@ -218,25 +218,31 @@ class JobDir:
     def deadline_path(self) -> Path:
         return self.root / layout.DEADLINE
 
-    def start_clock(self, time_limit_s: float | None) -> None:
-        """Starts the job's time limit (if it has one) from now: each run of the job gets it whole."""
+    def start_clock(self, time_limit_s: float | None, until: tuple[float, str] | None = None) -> None:
+        """Starts the job's time limit (if it has one) from now: each run of the job gets it whole.
+        ``until``: a fixed end (a Unix time) that no run passes, and why it is one (a batch's
+        completion window); the earlier of the two holds."""
         self.deadline_path.unlink(missing_ok=True)
+        ends = [] if until is None else [until]
         if time_limit_s is not None:
-            atomic_write_text(self.deadline_path, json.dumps({"at": time.time() + time_limit_s, "limit": time_limit_s}))
+            ends.append((time.time() + time_limit_s, f"the job's time limit of {time_limit_s:g} s was reached"))
+        if ends:
+            at, reason = min(ends)
+            atomic_write_text(self.deadline_path, json.dumps({"at": at, "reason": reason}))
 
     def out_of_time(self) -> str | None:
         """Why the job must stop now because of its time limit, or None."""
         deadline = self._deadline()
         if deadline is None or time.time() < deadline["at"]:
             return None
-        return f"the job's time limit of {deadline['limit']:g} s was reached"
+        return deadline["reason"]
 
     def time_left(self) -> float | None:
         """Seconds until the job's time limit runs out (0 or less once it has); None without a limit."""
         deadline = self._deadline()
         return None if deadline is None else deadline["at"] - time.time()
 
-    def _deadline(self) -> dict[str, float] | None:
+    def _deadline(self) -> dict[str, Any] | None:
         if not self.deadline_path.exists():
             return None
         return json.loads(self.deadline_path.read_text())

@@ -31,6 +31,7 @@ class Flight:
     head: list[int] | None = None
     head_text: str = ""
     head_logprobs: list[Any] | None = None  # the head's, when the row asked for logprobs
+    prompt_logprobs: Any = None  # vLLM's, per prompt token, when the row asked for prompt_logprobs
 
 
 @dataclass
@@ -70,6 +71,10 @@ class OutputShaper:
             return engine_failure(req, f"generation ended abnormally ({abnormal})")
         choices = [self._generated(flight, answer) for answer in answers]
         body = body_for(req.endpoint, req.request_id, req.adapter or self.model_name, *choices)
+        if flight.prompt_logprobs is not None:  # where vLLM's server puts them: the chat body, each text choice
+            shaped = _prompt_logprobs(flight.prompt_logprobs)
+            for holder in [body] if req.endpoint == "chat" else body["choices"]:
+                holder["prompt_logprobs"] = shaped
         usage = row_usage(body["usage"], req.endpoint)
         return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=usage)
 
@@ -146,3 +151,19 @@ def _stateless(serving: type) -> Any:
     shaper = object.__new__(serving)
     shaper.return_tokens_as_token_ids = False
     return shaper
+
+
+def _prompt_logprobs(per_token: Any) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt logprobs as its server writes them: per prompt token (the first has none),
+    its alternatives by token id, each with its logprob (-9999 for minus infinity), rank and text."""
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+
+    return [
+        None
+        if alternatives is None
+        else {
+            str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token, lp in alternatives.items()
+        }
+        for alternatives in clamp_prompt_logprobs(list(per_token))
+    ]

@@ -70,8 +70,9 @@ class PromptRenderer:
         if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
             from vllm.renderers import ChatParams
 
-            kwargs = {**req.chat_template_kwargs, "add_generation_prompt": True, "tools": req.body.get("tools")}
-            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], ChatParams(chat_template_kwargs=kwargs))
+            kwargs = {**req.template_arguments, "tools": req.body.get("tools")}
+            chat = ChatParams(chat_template_kwargs=kwargs, mm_processor_kwargs=req.body.get("mm_processor_kwargs"))
+            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], chat)
             return prompts[0], list(prompts[0]["prompt_token_ids"])
         ids = self._prompt_ids(req)
         return TokensPrompt(prompt_token_ids=ids), ids
@@ -80,15 +81,37 @@ class PromptRenderer:
         if req.prompt_ids is not None:  # rendered ahead to order the rows: handed over once
             ids, req.prompt_ids = req.prompt_ids.tolist(), None
             return ids
+        return self._truncated(req, self._rendered_ids(req))
+
+    def _truncated(self, req: EngineRequest, ids: list[int]) -> list[int]:
+        """The prompt cut to the row's ``truncate_prompt_tokens`` (-1: the model's context), as
+        vLLM's renderer cuts it: the last tokens kept when the tokenizer truncates on the left, else
+        the first (Hugging Face's default side is the right)."""
+        keep = req.body.get("truncate_prompt_tokens")
+        if keep is None:
+            return ids
+        context = self.llm.llm_engine.model_config.max_model_len
+        if keep == -1:
+            keep = context
+        if keep > context:
+            raise RequestProblem(
+                f"truncate_prompt_tokens is {keep} but the model's context holds {context}; "
+                f"set it to at most {context}, or -1 for the whole context",
+                "truncate_prompt_tokens",
+            )
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if getattr(self.tokenizer, "truncation_side", None) == "left" else ids[:keep]
+
+    def _rendered_ids(self, req: EngineRequest) -> list[int]:
         if req.endpoint == "chat":
             messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages,
                     tools=req.body.get("tools"),
-                    add_generation_prompt=True,
                     tokenize=False,
-                    **req.chat_template_kwargs,
+                    **req.template_arguments,
                 )
             except Exception as exc:  # the template itself refused the conversation
                 raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None

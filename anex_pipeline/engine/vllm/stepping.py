@@ -122,9 +122,16 @@ class Stepper:
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
         request_id = f"anex-{next(self._request_ids)}"
         engine = self.llm.llm_engine
+        priority = self._priority(flight.req)
         with self.lanes.lock:
             try:
-                engine.add_request(request_id, prompt, params, lora_request=self.adapters.get(flight.req.adapter))
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    lora_request=self.adapters.get(flight.req.adapter),
+                    priority=priority,
+                )
             except Exception as exc:
                 if engine_gone(self.llm):
                     raise
@@ -134,6 +141,18 @@ class Stepper:
                     raise RequestProblem(f"{field} cannot be used: {one_line(exc)}", field) from None
                 raise
             self.lanes.own(lane, request_id, flight)
+
+    def _priority(self, req: EngineRequest) -> int:
+        """The row's place in the scheduler's order (vLLM's ``priority``, lower first), which only
+        a priority-scheduled engine keeps: elsewhere any value but 0 is refused."""
+        priority = req.body.get("priority") or 0
+        if priority and self.llm.llm_engine.vllm_config.scheduler_config.policy != "priority":
+            raise RequestProblem(
+                "priority needs an engine that schedules by priority; start it with "
+                "--engine-arg scheduling_policy=priority, or remove priority",
+                "priority",
+            )
+        return priority
 
     def _constraint_usable(self, params: Any) -> bool:
         """Whether vLLM accepts the row's structured-output constraint by itself (True when the row
@@ -153,6 +172,7 @@ class Stepper:
         """A finished generation: the row's outcome, or the continuation of a trace the budget cut."""
         if flight.head is None:
             flight.cached_tokens = res.num_cached_tokens or 0
+            flight.prompt_logprobs = res.prompt_logprobs
             answers = [
                 Answer(list(o.token_ids), o.text, o.finish_reason, None if o.logprobs is None else list(o.logprobs))
                 for o in sorted(res.outputs, key=lambda o: o.index)
