@@ -266,7 +266,7 @@ class JobReport(BaseModel):
     reused_answer_rows: int = 0
     # Rows whose answer is the one the length-estimation sample already generated.
     reused_sample_rows: int = 0
-    # Generated rows each model server answered, when the engine sends rows to servers.
+    # Generated rows each model server answered (the HTTP engine), or each host whose in-process engine did.
     served_by: dict[str, int] = Field(default_factory=dict)
     # The engine the rows ran on: kind, model, vLLM version, its engine arguments and context.
     engine: dict[str, Any] | None = None

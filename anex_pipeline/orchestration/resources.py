@@ -24,7 +24,7 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
 
 
 def _machine_server_default() -> str:
-    return "0" if os.environ.get("ANEX_EXECUTOR") == "k8s" else "1"
+    return "0" if os.environ.get("ANEX_EXECUTOR") in ("k8s", "ray") else "1"
 
 
 class EngineResource(dg.ConfigurableResource, EngineConfig):
@@ -43,7 +43,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         default_factory=lambda: os.environ.get("ANEX_MACHINE_SERVER", _machine_server_default()) != "0",
         description="vLLM engine: share one model server per machine between the step processes, "
         "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
-        "with ANEX_EXECUTOR=k8s, where each step has a pod of its own).",
+        "with ANEX_EXECUTOR=k8s or ray, where each step has a pod or a Ray job of its own).",
     )
     machine_server_idle_s: float = Field(
         default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."

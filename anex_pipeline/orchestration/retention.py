@@ -8,6 +8,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from anex_pipeline.orchestration.ray_executor import OTHER_STEP
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.retention import parse_age, prune
 
@@ -22,7 +23,10 @@ class RetentionSettings(dg.ConfigurableResource):
     )
 
 
-@dg.op(description="Removes jobs older than the retention age (never a running one) and expired Batch API files.")
+@dg.op(
+    description="Removes jobs older than the retention age (never a running one) and expired Batch API files.",
+    tags=OTHER_STEP,  # its resources under ANEX_EXECUTOR=ray
+)
 def prune_jobs(context: dg.OpExecutionContext, storage: StorageResource, retention_settings: RetentionSettings) -> None:
     try:
         older_than = parse_age(retention_settings.max_age)
