@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MiB; nothing here puts objects in it
-STARTUP_S = 120.0
+STARTUP_S = 300.0  # a busy 2-core machine took over 120 s for one node
 # Ray's GCS declares a node dead after this many missed health checks of this period: about 4 s
 # instead of Ray's 30 s, so that a killed or frozen node is noticed quickly.
 HEAD_ENV = {
@@ -30,6 +30,9 @@ HEAD_ENV = {
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "4",
 }
+# Ray's own start-up timeouts are meant for quiet machines: a raylet gives its dashboard agent 15 s
+# and a worker process 60 s to register, and a busy 2-core machine needed more.
+NODE_ENV = {"RAY_agent_register_timeout_ms": "180000", "RAY_worker_register_timeout_seconds": "300"}
 WORKER_PORTS = 40  # each node's own range of worker ports, so nodes on one machine never share one
 
 
@@ -150,7 +153,11 @@ class RayCluster:
         ]  # fmt: skip
         with log.open("ab") as out:
             process = subprocess.Popen(
-                command, env={**self.env, **(extra_env or {})}, stdout=out, stderr=subprocess.STDOUT, cwd=self.root
+                command,
+                env={**self.env, **NODE_ENV, **(extra_env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
             )
         return Node(hostname, process, log)
 
@@ -215,9 +222,9 @@ def ray_cluster(workers: list[str], env: dict[str, str]) -> Iterator[RayCluster]
     cluster = RayCluster(root, {**env, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         cluster.start_head()
-        for name in workers:
+        for n, name in enumerate(workers, start=1):  # one at a time: a busy machine starts them no faster together
             cluster.add_node(name)
-        cluster.wait_for_nodes(len(workers))
+            cluster.wait_for_nodes(n)
         yield cluster
     finally:
         cluster.stop()
