@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MiB; nothing here puts objects in it
 STARTUP_S = 300.0  # a busy 2-core machine took over 120 s for one node
@@ -34,6 +35,7 @@ HEAD_ENV = {
 # and a worker process 60 s to register, and a busy 2-core machine needed more.
 NODE_ENV = {"RAY_agent_register_timeout_ms": "180000", "RAY_worker_register_timeout_seconds": "300"}
 WORKER_PORTS = 40  # each node's own range of worker ports, so nodes on one machine never share one
+HOST_RESOURCE = "anex-host-"  # a custom resource naming each node's hostname, to find it in Ray's node list
 
 
 def ray_command() -> str:
@@ -170,20 +172,7 @@ class RayCluster:
         ]  # fmt: skip
         self.head = self._start("ray-head", args, HEAD_ENV)
 
-    def _sockets(self) -> int:
-        return len(list((self.root / "ray").glob("session_*/sockets/plasma_store*")))
-
-    def add_node(self, hostname: str) -> Node:
-        """Starts a worker node; returns once it has named its sockets (a node starting at the
-        same time would take the same names: Ray picks the first free one in the session's folder)."""
-        wait_for(self._sockets, STARTUP_S, "the head's sockets")
-        before = self._sockets()
-        node = self._start(hostname, [f"--address={self.gcs_address}", "--num-cpus=1", "--num-gpus=1"])
-        self.nodes.append(node)
-        wait_for(lambda: self._sockets() > before or not node.alive, STARTUP_S, f"{hostname}'s sockets")
-        return node
-
-    def live_nodes(self) -> list[dict[str, object]]:
+    def live_nodes(self) -> list[dict[str, Any]]:
         """The worker nodes Ray counts as alive (the head left out)."""
         from ray.util.state import list_nodes
 
@@ -193,17 +182,29 @@ class RayCluster:
             return []
         return [n.__dict__ for n in nodes if n.state == "ALIVE" and not n.is_head_node]
 
+    def add_node(self, hostname: str, tries: int = 3) -> Node:
+        """Starts a worker node and returns once Ray counts it as alive. Nodes start one at a time:
+        a starting node names its sockets after the first free name in the session's folder, and
+        two starting at once take the same one. A start that fails (a busy machine can time out
+        Ray's own start-up waits) is tried again."""
+        marker = f"{HOST_RESOURCE}{hostname}"
+        for attempt in range(1, tries + 1):
+            args = [f"--address={self.gcs_address}", "--num-cpus=1", "--num-gpus=1", f'--resources={{"{marker}": 1}}']
+            node = self._start(hostname, args)
+
+            def up(node: Node = node) -> bool:
+                return not node.alive or any(marker in n["resources_total"] for n in self.live_nodes())
+
+            wait_for(up, STARTUP_S, f"{hostname} to join the cluster", every=0.5)
+            if node.alive:
+                self.nodes.append(node)
+                return node
+            if attempt == tries:
+                raise RuntimeError(f"{hostname} did not start in {tries} tries; see {node.log}")
+        raise AssertionError("unreachable")
+
     def wait_for_nodes(self, count: int, timeout: float = STARTUP_S) -> None:
-        def ready() -> bool:
-            for node in [self.head, *self.nodes]:
-                if node is not None and not node.alive and node in self.nodes and node.process.returncode != -9:
-                    raise RuntimeError(f"{node.hostname} exited with {node.process.returncode}; see {node.log}")
-            return len(self.live_nodes()) == count
-
-        wait_for(ready, timeout, f"{count} live Ray worker nodes")
-
-    def node_running(self, pid_in_log: int) -> Node | None:
-        return next((n for n in self.nodes if pid_in_log in n.namespace_pids()), None)
+        wait_for(lambda: len(self.live_nodes()) == count, timeout, f"{count} live Ray worker nodes")
 
     def stop(self) -> None:
         for node in [*self.nodes, self.head]:
@@ -222,9 +223,8 @@ def ray_cluster(workers: list[str], env: dict[str, str]) -> Iterator[RayCluster]
     cluster = RayCluster(root, {**env, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         cluster.start_head()
-        for n, name in enumerate(workers, start=1):  # one at a time: a busy machine starts them no faster together
+        for name in workers:
             cluster.add_node(name)
-            cluster.wait_for_nodes(n)
         yield cluster
     finally:
         cluster.stop()

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import dagster as dg
@@ -82,7 +83,7 @@ class Deployment:
         def found() -> JobDir | None:
             for manifest in self.work.glob(f"*/{layout.MANIFEST}"):
                 if json.loads(manifest.read_text()).get("input", "").endswith(name):
-                    return JobDir(manifest.parent)
+                    return JobDir(self.work, manifest.parent.name)
             return None
 
         return wait_for(found, timeout, f"the job of {name}")  # type: ignore[return-value]
@@ -235,6 +236,9 @@ def test_a_job_from_the_inbox_spreads_its_shards_over_the_nodes(deployment: Depl
         assert all(a[1] < b[0] for a, b in itertools.pairwise(intervals)), (host, intervals)
     report = json.loads(result.with_name("spread.results.report.json").read_text())
     assert set(report["served_by"]) == hosts and sum(report["served_by"].values()) == rows
+    # The runs set the gpu pool to the cluster's GPUs (deploy/ray/dagster.yaml starts it at 1).
+    with deployment.instance() as instance:
+        assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 3
 
 
 def _nodes(deployment: Deployment) -> list[dict[str, Any]]:
@@ -300,3 +304,24 @@ def test_a_node_frozen_mid_shard_that_comes_back_changes_nothing(deployment: Dep
     assert _result_ids(result) == [f"{name}-{i}" for i in range(rows)]
     after = {a: deployment.materializations(a, job.job_id) for a in ("generations", "merged_result", "result_file")}
     assert after == counts
+
+
+def test_a_ray_job_stopped_outside_dagster_fails_its_step(deployment: Deployment) -> None:
+    from dagster_ray.kuberay.utils import get_k8s_object_name
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from anex_pipeline.orchestration.ray_executor import _step_handler_class
+
+    client = JobSubmissionClient(deployment.cluster.dashboard)
+    args = SimpleNamespace(step_keys_to_execute=["generations"], run_id="0123abcd-run", known_state=None)
+    context = SimpleNamespace(execute_step_args=args)
+    submission = f"dagster-step-{get_k8s_object_name(args.run_id, 'generations')}"
+    client.submit_job(entrypoint="sleep 600", submission_id=submission)
+    handler = _step_handler_class()(client, None, None, None, None, None, None)
+    wait_for(lambda: client.get_job_status(submission) == JobStatus.RUNNING, JOB_TIMEOUT_S, "the Ray job to run")
+    assert handler.check_step_health(context).is_healthy
+
+    client.stop_job(submission)
+    wait_for(lambda: client.get_job_status(submission) == JobStatus.STOPPED, 60, "the Ray job to stop")
+    health = handler.check_step_health(context)
+    assert not health.is_healthy and "stopped outside Dagster" in health.unhealthy_reason
