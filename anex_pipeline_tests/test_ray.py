@@ -156,40 +156,49 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         f"      attribute: defs\n      working_directory: {REPO}\n      executable_path: {sys.executable}\n"
     )
     for postgres in _postgres():
-        env = {
-            **os.environ,
-            "DAGSTER_HOME": str(home),
+        database = {
             "DAGSTER_PG_HOST": postgres.host,
             "DAGSTER_PG_PORT": str(postgres.port),
             "DAGSTER_PG_USER": postgres.user,
             "DAGSTER_PG_PASSWORD": postgres.password,
             "DAGSTER_PG_DB": create_database(postgres),
+        }
+        patch = pytest.MonkeyPatch()
+        for name, value in database.items():  # this process reads the instance too
+            patch.setenv(name, value)
+        env = {
+            **os.environ,
+            **database,
+            "DAGSTER_HOME": str(home),
             "ANEX_WORK_DIR": str(root / "work"),
             "ANEX_INBOX_DIR": str(root / "inbox"),
             "ANEX_OUTBOX_DIR": str(root / "outbox"),
             "ANEX_DRIVER_INTERVAL_S": "1",
             "ANEX_TEST_WORKSPACE": str(workspace),
         }
-        with ray_cluster(["node-1", "node-2", "node-3"], env) as cluster:
-            env |= {"ANEX_EXECUTOR": "ray", "ANEX_RAY_ADDRESS": cluster.dashboard}
-            starts = [_dagster(env, "sensor", "start", name) for name in ("local_inbox", "job_driver")]
-            for start in starts:
-                _, err = start.communicate(timeout=180)
-                assert start.returncode == 0, err.decode()[-2000:]
-            with (root / "daemon.log").open("wb") as log:
-                daemon = subprocess.Popen(
-                    [str(Path(sys.executable).with_name("dagster-daemon")), "run", "-w", str(workspace)],
-                    env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
-            try:
-                yield Deployment(root, cluster, daemon, env)
-            finally:
-                os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            with ray_cluster(["node-1", "node-2", "node-3"], env) as cluster:
+                env |= {"ANEX_EXECUTOR": "ray", "ANEX_RAY_ADDRESS": cluster.dashboard}
+                starts = [_dagster(env, "sensor", "start", name) for name in ("local_inbox", "job_driver")]
+                for start in starts:
+                    _, err = start.communicate(timeout=180)
+                    assert start.returncode == 0, err.decode()[-2000:]
+                with (root / "daemon.log").open("wb") as log:
+                    daemon = subprocess.Popen(
+                        [str(Path(sys.executable).with_name("dagster-daemon")), "run", "-w", str(workspace)],
+                        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    )  # fmt: skip
                 try:
-                    daemon.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(daemon.pid, signal.SIGKILL)
-                    daemon.wait(timeout=30)
+                    yield Deployment(root, cluster, daemon, env)
+                finally:
+                    os.killpg(daemon.pid, signal.SIGTERM)
+                    try:
+                        daemon.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(daemon.pid, signal.SIGKILL)
+                        daemon.wait(timeout=30)
+        finally:
+            patch.undo()
 
 
 def _result_ids(result: Path) -> list[str]:
