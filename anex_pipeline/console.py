@@ -274,10 +274,11 @@ TOP_ERRORS = 3  # error types the summary names
 
 
 def summary_lines(
-    report: JobReport, report_path: str, result_format: str, spent: dict[str, float], wall_s: float
+    report: JobReport, report_path: str, error_field: str, spent: dict[str, float], wall_s: float
 ) -> list[str]:
     """The few aligned lines that end a run: its status, rows, tokens, time, speed, cost and where
-    its files are. ``spent`` is the stage seconds this command added to the job's timings."""
+    its files are. ``error_field``: the result's field a failed row sets (its format's); ``spent``:
+    the stage seconds this command added to the job's timings."""
     counts, usage = report.request_counts, report.usage
     missing = counts.total - counts.completed - counts.failed
     cut = report.error_counts.get(RowErrorType.LENGTH, 0)
@@ -302,13 +303,11 @@ def summary_lines(
     lines += [("tokens", tokens), ("time", times), ("speed", speed)]
     if report.cost is not None:
         lines.append(("cost", f"{report.cost:.4f} (at the job's prices)"))
-    from anex_pipeline.stages.merge import nothing_delivered
 
-    delivered = not nothing_delivered(counts)
+    delivered = not counts.nothing_delivered()
     lines.append(("result", report.output if delivered else "none published: no row has a result"))
     if counts.failed and delivered:
-        field_name = "error_type" if result_format == "parquet" else "error"
-        lines.append(("error rows", f"the {counts.failed} rows of the result whose {field_name} is set"))
+        lines.append(("error rows", f"the {counts.failed} rows of the result whose {error_field} is set"))
     lines.append(("report", report_path))
     return [f"{label:<{SUMMARY_LABEL}}{text}" for label, text in lines]
 

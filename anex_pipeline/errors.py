@@ -3,7 +3,9 @@
 Every exception whose message reaches a person (on the terminal, in a Batch API answer, in a
 failed row or a step's failure) derives from :class:`AnexError`: it carries one line saying what
 went wrong, where, and what to change, and the exit status the command ends with. The command
-line and the Batch API each handle the base class in one place.
+line and the Batch API each handle the base class in one place. The failures that one layer
+raises and a higher one catches (a job asked to stop, an engine that did not load, vLLM's engine
+process gone) live here too, so that neither layer imports the other for them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ class RejectedError(AnexError):
     """A failure of the kind that refuses a job before anything runs (exit status 2)."""
 
     exit_code = ExitCode.REJECTED
+
+
+class JobStopped(AnexError):
+    """The job was asked to stop (cancelled or out of time); finished rows are kept."""
+
+
+class EngineLoadFailed(AnexError):
+    """The engine could not be loaded (e.g. the model is missing, its configuration is not one
+    vLLM accepts, or memory ran out): loading it again at once with the same settings would fail
+    the same way, so for a minute (the loader's ``FAILED_LOAD_KEPT_S``) the same settings get the
+    same failure."""
+
+
+class EngineProcessDied(AnexError, RuntimeError):
+    """vLLM's engine process ended during a call; the engine cannot be used any more."""
 
 
 class RowErrorType(StrEnum):

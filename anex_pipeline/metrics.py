@@ -13,13 +13,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from anex_pipeline.spec import RowOutcome
+
+
+class Engine(Protocol):
+    """What the metrics read of a loaded engine (the engine package, above this module, imports it)."""
+
+    @property
+    def dead(self) -> bool: ...
+
 
 REGISTRY = CollectorRegistry()
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what exposition() writes
@@ -81,14 +89,14 @@ class _Engine:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.loads = 0
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.failed = False
 
     def state(self) -> str:
         with self.lock:
             if self.loads:
                 return "loading"
-            if self.failed or getattr(self.engine, "dead", False):
+            if self.failed or (self.engine is not None and self.engine.dead):
                 return "dead"
             return "idle" if self.engine is None else "ready"
 
@@ -98,16 +106,16 @@ ENGINE_STATES = ("idle", "loading", "ready", "dead")
 
 
 @contextmanager
-def engine_load() -> Iterator[Callable[[Any], None]]:
+def engine_load() -> Iterator[Callable[[Engine], None]]:
     """Wraps one engine load; the block calls what it yields with the engine once it is ready. A
     load that raises leaves the state dead, unless a stop cut it short."""
-    from anex_pipeline.stopping import JobStopped
+    from anex_pipeline.errors import JobStopped
 
     started = time.monotonic()
     with _engine.lock:
         _engine.loads += 1
 
-    def ready(engine: Any) -> None:
+    def ready(engine: Engine) -> None:
         with _engine.lock:
             _engine.engine, _engine.failed = engine, False
         ENGINE_READY_SECONDS.set(time.monotonic() - started)

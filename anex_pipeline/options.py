@@ -22,12 +22,12 @@ from anex_pipeline.validate import (
     KIND_WORDS,
     NUMBER_FIELDS,
     FieldProblem,
-    _check_fields,
-    _kind,
-    _non_finite,
+    check_fields,
     check_numbers,
     check_response_format,
     deeper_than,
+    kind_of,
+    non_finite_problems,
     pydantic_code,
 )
 
@@ -80,7 +80,7 @@ def options_from_json(text: str | bytes, where: str) -> dict[str, Any]:
     except RecursionError:  # the standard library's reader gives up at about 1,000 levels
         raise OptionsError(f"{where} {NESTED_TOO_DEEP}", INVALID_JSON) from None
     if not isinstance(loaded, dict):
-        raise OptionsError(f"{where} holds {_kind(loaded)}; job options must be one JSON object", INVALID_TYPE)
+        raise OptionsError(f"{where} holds {kind_of(loaded)}; job options must be one JSON object", INVALID_TYPE)
     if deep := too_deep_options(loaded):
         raise OptionsError(f"{where}: option '{deep[0]}' {NESTED_TOO_DEEP}", INVALID_VALUE)
     return loaded
@@ -136,7 +136,7 @@ def job_options(raw: dict[str, Any]) -> JobOptions:
         raise JobRejected([_option_problem(err) for err in exc.errors()]) from None
     if options.shards is not None and options.shard_rows is not None:
         raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
-    found = _check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
+    found = check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
     if found:
         raise JobRejected(_as_options(found))
     if options.response_format is not None:
@@ -160,7 +160,7 @@ def _option_problem(err: Any) -> Problem:
     if err["type"] == "extra_forbidden":
         message = _unknown_option(err["loc"])
     elif err["type"] in _WANTED_KIND:
-        message = f"must be {_WANTED_KIND[err['type']]}, got {_kind(err['input'])}"
+        message = f"must be {_WANTED_KIND[err['type']]}, got {kind_of(err['input'])}"
     else:
         message = err["msg"]
     return Problem(f"{message} (options)", field=loc, code=pydantic_code(err["type"]))
@@ -174,7 +174,7 @@ def _as_options(found: list[FieldProblem]) -> list[Problem]:
 def _reject_numbers(raw: dict[str, Any]) -> None:
     """Raises JobRejected for the options' number fields the engine cannot take, and for an
     infinity or NaN in any other option (a time limit, a price, a media timeout)."""
-    found = check_numbers(raw) + list(_non_finite({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
+    found = check_numbers(raw) + list(non_finite_problems({k: v for k, v in raw.items() if k not in NUMBER_FIELDS}, ""))
     if found:
         raise JobRejected(_as_options(found))
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from anex_pipeline.request_fields import RESPONSES_NAMES
-from anex_pipeline.spec import RowError, RowOutcome
-
-if TYPE_CHECKING:
-    from anex_pipeline.formats import InputRow
+from anex_pipeline.spec import InputRow, RowError, RowOutcome
 
 # Thinking by reasoning effort: off, or on with at most this many thinking tokens (None: as much
 # as the job's reasoning_budget allows).

@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import dagster as dg
 
-from anex_pipeline.engine import release_engines
 from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import release_engines
 from anex_pipeline.errors import AnexError
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
@@ -153,7 +153,9 @@ class JobRunner:
             if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
                 job.record_stop(str(exc))
         self._execute("finish_job", job.job_id)
-        return JobReport.model_validate_json(job.report_path.read_text())
+        report = job.report()
+        assert report is not None  # finish_job succeeded, so its merge wrote the report
+        return report
 
     def _hold(self, job: JobDir) -> None:
         if job.job_id not in self._leases:

@@ -1,4 +1,4 @@
-"""The contract's data shapes: job options, submit-time problems, row outcomes and the job report.
+"""The contract's data shapes: job options, submit-time problems, input rows, row outcomes and the job report.
 
 Everything here is plain pydantic or dataclasses so that the CLI, the Dagster assets and the
 tests share one definition of what a job is and what it produces.
@@ -150,6 +150,17 @@ def error_kind(error_type: str, code: Any) -> str:
 
 
 @dataclass
+class InputRow:
+    """A request that passed its submit-time checks, normalised to an OpenAI request body."""
+
+    index: int  # 0-based position in the input
+    key: str  # the row identity: custom_id, the Parquet id column, or the row index
+    body: dict[str, Any]
+    # A /v1/responses row: its request as written, while ``body`` is the chat request it means.
+    respond: dict[str, Any] | None = None
+
+
+@dataclass
 class RowError:
     """The error object of a failed row, as the OpenAI batch envelope carries it."""
 
@@ -223,6 +234,11 @@ class RequestCounts(BaseModel):
     completed: int = 0
     failed: int = 0
     format_error_rows: int = 0
+
+    def nothing_delivered(self) -> bool:
+        """True for a job with input rows none of which has a result (not even an error): its
+        result file is empty and is not published in place of the result."""
+        return self.total > 0 and self.completed + self.failed == 0
 
 
 class Usage(BaseModel):

@@ -11,7 +11,6 @@ seconds for stops written by another process.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -22,8 +21,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
 
-from anex_pipeline.engine.watchdog import EngineProcessDied
-from anex_pipeline.errors import AnexError
+from anex_pipeline.errors import EngineProcessDied, JobStopped
 from anex_pipeline.workdir.manifest import JobDir
 
 T = TypeVar("T")
@@ -35,10 +33,6 @@ FIRST_SIGNAL_LINE = (
     b"[anex] stopping: aborting the rows in flight and keeping the finished ones "
     b"(press Ctrl-C again to quit at once; the checkpoints are safe and a rerun resumes)\n"
 )
-
-
-class JobStopped(AnexError):
-    """The job was asked to stop (cancelled or out of time); finished rows are kept."""
 
 
 _asked: dict[str, str] = {}  # job folder -> reason, for the stops asked in this process
@@ -63,16 +57,6 @@ def stop_asked_here() -> bool:
     return bool(_asked)
 
 
-def recorded_stop(job: JobDir) -> str | None:
-    """The reason in the job's stop file, or None when it has none."""
-    try:
-        return str(json.loads(job.stop_path.read_text())["reason"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):  # torn or foreign: still a stop
-        return "the job was asked to stop"
-
-
 class StopCheck:
     """Raises :class:`JobStopped` when called once the job was asked to stop or ran out of time."""
 
@@ -88,7 +72,7 @@ class StopCheck:
             self.reason = _asked.get(self._key)
         if self.reason is None and (now := time.monotonic()) >= self._next_look:
             self._next_look = now + DISK_CHECK_S
-            self.reason = recorded_stop(self.job)
+            self.reason = self.job.stop_reason()
             late = self.job.out_of_time() if self.reason is None else None
             if late is not None:
                 self.job.record_stop(late)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from anex_pipeline.errors import AnexError
+from anex_pipeline.paths import default_work_root
 
 if TYPE_CHECKING:
     from anex_pipeline.workdir.manifest import JobDir
@@ -164,13 +165,6 @@ def localize_input(uri: str, dest_dir: Path, s3_client: Any = None) -> Path:
         raise JobRejected([Problem(f"cannot read the input {uri}: {exc}")]) from None
     os.replace(tmp, target)
     return target
-
-
-def default_work_root() -> str:
-    """``$ANEX_WORK_DIR``, else ``work`` under the project's cache folder."""
-    from anex_pipeline.engine.models import cache_root
-
-    return os.environ.get("ANEX_WORK_DIR", str(cache_root() / "work"))
 
 
 class StorageConfig(BaseModel):

@@ -94,7 +94,7 @@ NUMBER_FIELDS = frozenset(
 def _check_format_type(fmt: Any, where: str) -> list[FieldProblem]:
     """The outer shape of a structured-output format: an object of one of the known types."""
     if not isinstance(fmt, dict):
-        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {_kind(fmt)}')]
+        return [wrong_kind(where, fmt, f'must be an object like {{"type": "json_object"}}, got {kind_of(fmt)}')]
     if fmt.get("type") not in RESPONSE_FORMAT_TYPES:
         allowed = ", ".join(RESPONSE_FORMAT_TYPES)
         return [FieldProblem(f"{where}.type", f"must be one of {allowed}; got {json.dumps(fmt.get('type'))}")]
@@ -125,7 +125,7 @@ def check_response_format(rf: Any, where: str) -> list[FieldProblem]:
                 f"{where}.json_schema.schema",
                 spec.get("schema"),
                 "must be a JSON Schema object; the schema sits one level down, at "
-                f"json_schema.schema (got {_kind(spec.get('schema'))})",
+                f"json_schema.schema (got {kind_of(spec.get('schema'))})",
             )
         ]
     name = spec.get("name")
@@ -144,12 +144,12 @@ def check_body(
     for an embeddings job, whether its model can shorten vectors and to which lengths (see
     :func:`anex_pipeline.engine.models.matryoshka_dimensions`); None when that is not known here."""
     if not isinstance(body, dict):
-        return [wrong_kind("body", body, f"must be an object with the request, got {_kind(body)}")]
+        return [wrong_kind("body", body, f"must be an object with the request, got {kind_of(body)}")]
     problems: list[FieldProblem] = []
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         problems.append(
-            FieldProblem("body.model", f"must be the model's name as a string, got {_kind(model)}", INVALID_TYPE)
+            FieldProblem("body.model", f"must be the model's name as a string, got {kind_of(model)}", INVALID_TYPE)
         )
     elif model is not None and model not in model_names:
         wanted = sorted(model_names)[0]
@@ -173,7 +173,7 @@ def check_body(
     if body.get("stream"):
         problems.append(FieldProblem("body.stream", "streaming is not available in a batch job; remove it"))
     problems += check_numbers(body, "body.")
-    problems += _check_fields(body, endpoint)
+    problems += check_fields(body, endpoint)
     problems += _check_logprobs(body, endpoint)
     problems += _check_choices(body)
     if endpoint == "chat":
@@ -191,7 +191,7 @@ def check_body(
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         problems.append(
-            FieldProblem("body.chat_template_kwargs", f"must be an object, got {_kind(kwargs)}", INVALID_TYPE)
+            FieldProblem("body.chat_template_kwargs", f"must be an object, got {kind_of(kwargs)}", INVALID_TYPE)
         )
     return problems
 
@@ -297,7 +297,7 @@ def _check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProbl
     logprobs = body.get("logprobs")
     if endpoint == "chat":
         if logprobs is not None and type(logprobs) is not bool:
-            message = f"must be true or false in a chat request (top_logprobs sets the count), got {_kind(logprobs)}"
+            message = f"must be true or false in a chat request (top_logprobs sets the count), got {kind_of(logprobs)}"
             return [FieldProblem("body.logprobs", message, INVALID_TYPE)]
         if body.get("top_logprobs") is not None and logprobs is not True:
             return [FieldProblem("body.top_logprobs", "needs logprobs: true; set it or remove top_logprobs")]
@@ -307,7 +307,7 @@ def _check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProbl
     return []
 
 
-def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:
+def check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:
     """The fields the endpoint does not take, and values of the wrong kind or out of range
     (see :mod:`anex_pipeline.request_fields`; integer ranges are :func:`check_numbers`')."""
     accepted = fields_of(endpoint)
@@ -320,7 +320,7 @@ def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem
             continue  # checked on its own, or an unset envelope field as OpenAI clients write them
         elif type(value) not in spec.kinds:
             wanted = " or ".join(KIND_WORDS[k] for k in spec.kinds if not (k is int and float in spec.kinds))
-            problems.append(FieldProblem(f"body.{name}", f"must be {wanted}, got {_kind(value)}", INVALID_TYPE))
+            problems.append(FieldProblem(f"body.{name}", f"must be {wanted}, got {kind_of(value)}", INVALID_TYPE))
         elif type(value) is float and not math.isfinite(value):
             continue  # check_numbers says so
         elif type(value) in NUMBER and (why := spec.out_of_range(value)) is not None:
@@ -349,7 +349,7 @@ def check_numbers(values: dict[str, Any], prefix: str = "") -> list[FieldProblem
     return problems
 
 
-def _non_finite(value: Any, where: str) -> Iterator[FieldProblem]:
+def non_finite_problems(value: Any, where: str) -> Iterator[FieldProblem]:
     """A problem for each infinite or NaN number inside a JSON value (walked without recursion:
     an option's value may be nested as deep as the JSON reader allows)."""
     stack = [(where, value)]
@@ -384,7 +384,7 @@ def _non_finite_message(value: float) -> str:
 
 def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
     if not isinstance(bias, dict):
-        message = f'must be an object of token ids and biases like {{"1234": -100}}, got {_kind(bias)}'
+        message = f'must be an object of token ids and biases like {{"1234": -100}}, got {kind_of(bias)}'
         return [FieldProblem(where, message, INVALID_TYPE)]
     for token, value in bias.items():
         if not (token.isascii() and token.isdigit() and int(token) <= INT32_MAX):
@@ -395,7 +395,9 @@ def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
             ]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return [
-                FieldProblem(f"{where}.{token}", f"must be a number from -100 to 100, got {_kind(value)}", INVALID_TYPE)
+                FieldProblem(
+                    f"{where}.{token}", f"must be a number from -100 to 100, got {kind_of(value)}", INVALID_TYPE
+                )
             ]
         if not math.isfinite(value):
             return [FieldProblem(f"{where}.{token}", _non_finite_message(value))]
@@ -406,12 +408,12 @@ def _check_logit_bias(bias: Any, where: str) -> list[FieldProblem]:
 
 def _check_messages(messages: Any) -> list[FieldProblem]:
     if not isinstance(messages, list) or not messages:
-        message = f"a chat row needs a non-empty list of messages, got {_kind(messages)}"
+        message = f"a chat row needs a non-empty list of messages, got {kind_of(messages)}"
         return [FieldProblem("body.messages", message, MISSING_PARAMETER if not messages else INVALID_TYPE)]
     for n, msg in enumerate(messages):
         where = f"body.messages[{n}]"
         if not isinstance(msg, dict):
-            return [FieldProblem(where, f"must be an object with role and content, got {_kind(msg)}", INVALID_TYPE)]
+            return [FieldProblem(where, f"must be an object with role and content, got {kind_of(msg)}", INVALID_TYPE)]
         if msg.get("role") not in ROLES:
             return [
                 FieldProblem(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(msg.get('role'))}")
@@ -427,7 +429,7 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
                 if url is not None and (why := reference_problem(url)) is not None:
                     return [FieldProblem(f"{where}.content[{p}].{part['type']}", why)]
             continue
-        message = f"must be a string or a list of content parts, got {_kind(content)}"
+        message = f"must be a string or a list of content parts, got {kind_of(content)}"
         return [wrong_kind(f"{where}.content", content, message)]
     return []
 
@@ -438,13 +440,13 @@ def _check_responses_request(body: dict[str, Any]) -> list[FieldProblem]:
     problems = _check_response_input(body.get("input"))
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
-        message = f'must be an object like {{"format": {{"type": "json_object"}}}}, got {_kind(text)}'
+        message = f'must be an object like {{"format": {{"type": "json_object"}}}}, got {kind_of(text)}'
         problems.append(FieldProblem("body.text", message, INVALID_TYPE))
     elif text is not None and text.get("format") is not None:
         problems += _check_text_format(text["format"])
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
-        message = f'must be an object like {{"effort": "low"}}, got {_kind(reasoning)}'
+        message = f'must be an object like {{"effort": "low"}}, got {kind_of(reasoning)}'
         problems.append(FieldProblem("body.reasoning", message, INVALID_TYPE))
     elif reasoning is not None and reasoning.get("effort") not in (None, *EFFORTS):
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(reasoning['effort'])}"
@@ -457,13 +459,15 @@ def _check_response_input(value: Any) -> list[FieldProblem]:
     if isinstance(value, str):
         return [] if value.strip() else [FieldProblem(where, "is empty; there is no prompt to send")]
     if not isinstance(value, list) or not value:
-        message = f"a responses row needs a string input or a non-empty list of input items, got {_kind(value)}"
+        message = f"a responses row needs a string input or a non-empty list of input items, got {kind_of(value)}"
         return [FieldProblem(where, message, MISSING_PARAMETER if value is None else INVALID_TYPE)]
     for n, item in enumerate(value):
         at = f"{where}[{n}]"
         if not isinstance(item, dict):
             return [
-                FieldProblem(at, f"must be an input item object with role and content, got {_kind(item)}", INVALID_TYPE)
+                FieldProblem(
+                    at, f"must be an input item object with role and content, got {kind_of(item)}", INVALID_TYPE
+                )
             ]
         if item.get("type", "message") != "message":
             message = f"is a {json.dumps(item['type'])} item; batch rows take message items only (role and content)"
@@ -478,7 +482,7 @@ def _check_response_input(value: Any) -> list[FieldProblem]:
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
-            message = f"must be a string or a list of content parts, got {_kind(content)}"
+            message = f"must be a string or a list of content parts, got {kind_of(content)}"
             return [wrong_kind(f"{at}.content", content, message)]
         for p, part in enumerate(content):
             if (found := _check_input_part(part, f"{at}.content[{p}]")) is not None:
@@ -491,7 +495,9 @@ def _check_input_part(part: Any, where: str) -> FieldProblem | None:
     if kind in TEXT_PARTS:
         text = part.get("text")
         return (
-            None if isinstance(text, str) else wrong_kind(f"{where}.text", text, f"must be a string, got {_kind(text)}")
+            None
+            if isinstance(text, str)
+            else wrong_kind(f"{where}.text", text, f"must be a string, got {kind_of(text)}")
         )
     if kind == IMAGE_PART:
         url = part.get("image_url")
@@ -520,7 +526,7 @@ def _check_text_format(fmt: Any) -> list[FieldProblem]:
     if not isinstance(fmt.get("name"), str):
         return [wrong_kind(f"{where}.name", fmt.get("name"), "is required for type 'json_schema': the schema's name")]
     if not isinstance(fmt.get("schema"), dict):
-        message = f"must be a JSON Schema object (got {_kind(fmt.get('schema'))})"
+        message = f"must be a JSON Schema object (got {kind_of(fmt.get('schema'))})"
         return [wrong_kind(f"{where}.schema", fmt.get("schema"), message)]
     return []
 
@@ -559,7 +565,7 @@ def check_prompt_shape(value: Any, where: str, most: int, task: str) -> list[Fie
         return [] if value else [FieldProblem(where, f"is an empty string; there is nothing to {task}")]
     shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
     if not isinstance(value, list) or not value:
-        return [wrong_kind(where, value, f"must be {shapes}, got {_kind(value)}")]
+        return [wrong_kind(where, value, f"must be {shapes}, got {kind_of(value)}")]
     if all(type(v) is int for v in value):
         return _check_token_ids(value, where)
     if len(value) > most:
@@ -568,14 +574,14 @@ def check_prompt_shape(value: Any, where: str, most: int, task: str) -> list[Fie
     for n, item in enumerate(value):
         at = f"{where}[{n}]"
         if type(item) is not kind:
-            return [FieldProblem(at, f"is {_kind(item)} but {where}[0] is {_kind(value[0])}; use one shape")]
+            return [FieldProblem(at, f"is {kind_of(item)} but {where}[0] is {kind_of(value[0])}; use one shape")]
         if isinstance(item, str) and not item:
             return [FieldProblem(at, f"is an empty string; there is nothing to {task}")]
         if isinstance(item, list) and item and all(type(t) is int for t in item):
             if found := _check_token_ids(item, at):
                 return found
         elif not isinstance(item, str):
-            return [wrong_kind(at, item, f"must be a string or a non-empty list of token ids, got {_kind(item)}")]
+            return [wrong_kind(at, item, f"must be a string or a non-empty list of token ids, got {kind_of(item)}")]
     return []
 
 
@@ -599,7 +605,8 @@ def pydantic_code(error_type: str) -> str:
     return INVALID_VALUE
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """What a JSON value is, in words for a problem's message ("a string", "an empty list")."""
     if value is None:
         return "nothing"
     if isinstance(value, bool):

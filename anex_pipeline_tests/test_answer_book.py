@@ -13,9 +13,9 @@ import diskcache
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.spec import JobReport
-from anex_pipeline.stages.answer_book import fingerprint
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import shared_fake_engine
+from anex_pipeline.stages.generate_answer_book import fingerprint
+from anex_pipeline.testing import shared_fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
 
 def _answer(row: dict) -> str:

@@ -20,7 +20,7 @@ from anex_pipeline.spec import JobOptions, RowError, RowOutcome
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 
 def answer(i: int, text: str | None = None, **fields: object) -> RowOutcome:

@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from anex_pipeline.media.audio import audio_problem, sound_bytes
-from anex_pipeline_tests.test_media import WAV, tone_wav
+from anex_pipeline_tests.harness.media import WAV, tone_wav
 
 
 def b64(data: bytes) -> str:

@@ -2,7 +2,7 @@
 disk: the backfill's runs land on the instance, and each shard redoes only its missing and failed
 rows, as its materialization metadata and run log show. The project's workspace.yaml serves a
 shard that needs no engine; the shards that generate go through the same code with the fake
-engine (anex_pipeline_tests/fake_location.py), since Dagster's run processes load the code
+engine (anex_pipeline_tests/harness/fake_location.py), since Dagster's run processes load the code
 themselves."""
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest, engine_failure
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.assets import generations
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
+from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline.workdir.manifest import unfinished_shards
-from anex_pipeline_tests.conftest import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
+from anex_pipeline_tests.harness.jobs import DAEMONLESS_INSTANCE_YAML, REPO, chat_row, write_jsonl
 
 
 class FlakyEngine(FakeEngine):
@@ -40,6 +41,7 @@ class FlakyEngine(FakeEngine):
 register_engine("flaky", lambda config, manifest: FlakyEngine(manifest.model_name))
 
 
+@pytest.mark.subprocess
 def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path) -> None:
     home, work = tmp_path / "dagster_home", tmp_path / "work"
     home.mkdir()
@@ -80,7 +82,7 @@ def test_dagster_job_backfill_redoes_only_missing_and_failed_rows(tmp_path: Path
 
         # The same code with the fake engine behind it: only the two missing and two failed rows run.
         partitions = [f"{job.job_id}|01", f"{job.job_id}|02"]
-        redone = backfill(["-m", "anex_pipeline_tests.fake_location", "-a", "defs"], partitions)
+        redone = backfill(["-m", "anex_pipeline_tests.harness.fake_location", "-a", "defs"], partitions)
         for partition in partitions:
             metadata = redone[partition]
             assert metadata["kept_from_earlier_runs"] == 2 and metadata["generated"] == 2

@@ -13,14 +13,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,75 +24,37 @@ import dagster as dg
 import httpx
 import openai
 import pytest
-import uvicorn
 from openai import OpenAI
 from openai.types import Batch, CreateEmbeddingResponse
 
 from anex_pipeline import cli
-from anex_pipeline.batch_api.app import create_app
 from anex_pipeline.batch_api.requests import MAX_OPTIONS_BYTES, MAX_SYSTEM_PROMPT_BYTES
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
 from anex_pipeline.cli.parser import UsageError, _media_policy, build_parser
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
 from anex_pipeline.stages import submit as submit_stage
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.test_media import MediaServer, image, media_row
-
-KEY_A = "sk-test-alice-0123456789"
-KEY_B = "sk-test-bob-9876543210"
-DONE = {"completed", "failed", "cancelled", "expired"}
-
-
-@contextmanager
-def serving(runner: JobRunner, keys: list[str] | None = None, **settings: Any) -> Iterator[str]:
-    """The Batch API on a free loopback port, in a thread; yields the SDK's base_url."""
-    app = create_app(runner, [KEY_A, KEY_B] if keys is None else keys, **settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the service did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=120)
-        assert not thread.is_alive(), "the service did not stop"
-
-
-def client(base_url: str, key: str = KEY_A) -> OpenAI:
-    return OpenAI(base_url=base_url, api_key=key, max_retries=0)
-
-
-def wait(sdk: OpenAI, batch_id: str, until: set[str] = DONE, timeout: float = 120) -> Batch:
-    deadline = time.monotonic() + timeout
-    while (batch := sdk.batches.retrieve(batch_id)).status not in until:
-        assert time.monotonic() < deadline, f"batch still {batch.status}"
-        time.sleep(0.1)
-    return batch
-
-
-def wait_for_rows(sdk: OpenAI, batch_id: str, completed: int) -> None:
-    deadline = time.monotonic() + 60
-    while (counts := sdk.batches.retrieve(batch_id).request_counts) is None or counts.completed < completed:
-        assert time.monotonic() < deadline, "the batch made no progress"
-        time.sleep(0.05)
-
-
-def content(sdk: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    assert file_id is not None
-    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()]
+from anex_pipeline_tests.harness.batch_api import (
+    DONE,
+    KEY_A,
+    KEY_B,
+    client,
+    content,
+    rows,
+    serve_process,
+    serving,
+    submit,
+    wait,
+    wait_for_rows,
+)
+from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.media import MediaServer, image, media_row
+from anex_pipeline_tests.harness.stepping import STEPPING, StepGate, SteppingEngine, stepping
 
 
 def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -108,30 +66,6 @@ def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             body.pop("id")
             body.pop("created")
     return rows
-
-
-def submit(sdk: OpenAI, path: Path, options: dict[str, Any] | None = None) -> Batch:
-    with path.open("rb") as f:
-        uploaded = sdk.files.create(file=f, purpose="batch")
-    metadata = {"team": "tests", **({"anex_options": json.dumps(options)} if options else {})}
-    return sdk.batches.create(
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=metadata,
-    )
-
-
-@pytest.fixture
-def slow_runner(tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> JobRunner:
-    """The fake engine, taking 0.1 s per row: a cancel or a restart lands in the middle of a job."""
-    monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
-    return JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(SLOW_FAKE))
-
-
-def rows(n: int, long_one: int | None = None) -> list[dict[str, Any]]:
-    """Chat rows; the row ``long_one`` has a prompt over the fake engine's context, so it fails."""
-    return [chat_row(f"r{i}", "word " * 300 if i == long_one else f"question number {i}") for i in range(n)]
 
 
 def test_sdk_round_trip_matches_the_pipeline(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -206,20 +140,24 @@ def test_malformed_input_fails_with_line_numbered_errors(tmp_path: Path, fake_ru
     assert batch.output_file_id is None
 
 
-def test_cancel_delivers_the_finished_rows(tmp_path: Path, slow_runner: JobRunner) -> None:
+def test_cancel_delivers_the_finished_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(40))
-    with serving(slow_runner) as url:
+    gate = StepGate()
+    stepping[0] = SteppingEngine(gate=gate)
+    runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "work")), fake_engine(STEPPING))
+    with serving(runner) as url:
         sdk = client(url)
         batch = submit(sdk, src, {"max_tokens": 8, "checkpoint_rows": 1})
         wait(sdk, batch.id, until={"in_progress"})
+        gate.release(3)
         wait_for_rows(sdk, batch.id, 3)
-        cancelling = sdk.batches.cancel(batch.id)
+        cancelling = sdk.batches.cancel(batch.id)  # while the engine waits for its fourth step
         assert cancelling.status in {"cancelling", "cancelled"} and cancelling.cancelling_at is not None
         batch = wait(sdk, batch.id)
         output = content(sdk, batch.output_file_id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
     assert batch.request_counts is not None
-    assert 3 <= batch.request_counts.completed == len(output) < 40
+    assert batch.request_counts.completed == len(output) == 3
     assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(len(output))]
 
 
@@ -714,55 +652,7 @@ def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
         assert stored == {f.id for f in bob.files.list()}  # no bytes without a record either
 
 
-@contextmanager
-def serve_process(
-    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``anex-pipeline serve`` on the slow fake engine in a process (and process group) of its
-    own, on a free loopback port, with both tenants' keys and these further ``flags`` and
-    environment; yields the process and the SDK's base_url once it answers. Its output goes to
-    files, so no unread pipe can fill and stall it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = tmp_path / "dagster_home"
-    home.mkdir(exist_ok=True)
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "ANEX_BATCH_API_KEYS": f"{KEY_A},{KEY_B}",
-        "ANEX_FAKE_ROW_DELAY_S": "0.1",
-        "NO_PROXY": "127.0.0.1",
-        **(env or {}),
-    }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "serve", "--port", str(port)]
-    with (tmp_path / "serve.log").open("ab") as log:
-        process = subprocess.Popen(
-            [*command, "--work-dir", str(tmp_path / "work"), *flags],
-            env=env,
-            cwd=Path(__file__).parent.parent,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "serve did not start"
-            try:
-                httpx.get(f"{url}/batches", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=5)
-                break
-            except httpx.TransportError:  # not listening yet
-                time.sleep(0.2)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=60)
-
-
+@pytest.mark.subprocess
 def test_after_a_sigkilled_serve_a_lost_job_breaks_no_listing_and_its_batch_comes_back(tmp_path: Path) -> None:
     """serve is SIGKILLed while two of Alice's batches generate, then their jobs' folders are
     removed (by hand, say) and one batch's own input copy too. On the next start both tenants'

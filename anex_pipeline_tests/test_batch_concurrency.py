@@ -16,10 +16,10 @@ import pytest
 
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.test_batch_api import KEY_A, KEY_B, client, content, rows, serving, submit, wait
+from anex_pipeline.testing import fake_engine
+from anex_pipeline_tests.harness.batch_api import KEY_A, KEY_B, client, content, rows, serving, submit, wait
+from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, write_jsonl
 
 
 def counts(sdk: object, batch_id: str) -> int:

@@ -28,26 +28,24 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from anex_pipeline import cli, metrics
-from anex_pipeline.batch_api.store import Store, key_hash
 from anex_pipeline.batch_api.webhooks import WebhookSettings
-from anex_pipeline.engine import register_engine
+from anex_pipeline.batches.store import Store, key_hash
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import MediaOptions
-from anex_pipeline_tests.conftest import write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
-from anex_pipeline_tests.test_batch_api import (
+from anex_pipeline.testing import FakeEngine, fake_engine
+from anex_pipeline_tests.harness.batch_api import (
     KEY_A,
     client,
     rows,
     serve_process,
     serving,
-    slow_runner,
     submit,
     wait,
     wait_for_rows,
 )
-
-__all__ = ["slow_runner"]  # a fixture shared with the Batch API tests
+from anex_pipeline_tests.harness.jobs import write_jsonl
+from anex_pipeline_tests.harness.ports import free_port
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -192,6 +190,7 @@ def test_a_receiver_that_never_answers_holds_up_no_batch(tmp_path: Path, fake_ru
             silent.close()  # the waiting connection is reset: the service can stop
 
 
+@pytest.mark.subprocess
 def test_an_event_survives_a_receiver_that_is_down_and_a_restart_of_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -347,13 +346,20 @@ def test_a_running_batch_shows_its_usage_so_far(tmp_path: Path, slow_runner: Job
         wait(sdk, batch.id)
 
 
+@pytest.mark.subprocess
 def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(30))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "ANEX_FAKE_ROW_DELAY_S": "0.1"}
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(tmp_path / "out.jsonl")]
+    command = [
+        sys.executable,
+        "-m",
+        "anex_pipeline_tests.harness.fake_cli",
+        "run",
+        str(src),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+    ]
     flags = ["--max-tokens", "4", "--set", "checkpoint_rows=1", "--metrics-port", str(port)]
     with (tmp_path / "run.log").open("wb") as log:
         process = subprocess.Popen(
@@ -403,7 +409,7 @@ def test_a_busy_or_impossible_metrics_port_is_refused_in_one_line(
 
 def test_media_fetches_count_downloads_hits_and_failures(media_server: Any) -> None:
     from anex_pipeline.media.fetcher import MediaFetcher, MediaFetchError
-    from anex_pipeline_tests.test_media import allowing
+    from anex_pipeline_tests.harness.media import allowing
 
     def counted() -> tuple[float, float, float]:
         figures = {

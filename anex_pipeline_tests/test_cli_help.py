@@ -33,6 +33,7 @@ def test_every_job_flag_has_help_that_names_its_default() -> None:
     assert "cap" in flags["--max-tokens"].help and "estimated" in flags["--max-tokens"].help
 
 
+@pytest.mark.subprocess
 def test_run_help_is_printed_by_the_installed_command() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "anex_pipeline.cli", "run", "--help"], capture_output=True, text=True, check=True

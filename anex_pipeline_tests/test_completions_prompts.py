@@ -10,7 +10,7 @@ import pytest
 from openai.types import Completion
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 FIRST, SECOND = "The capital of Italy is", "One, two, three,"
 

@@ -24,8 +24,8 @@ from anex_pipeline.console import (
     summary_lines,
 )
 from anex_pipeline.spec import JobReport, RequestCounts, Throughput, Usage
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.test_stop_real import COMMAND, story_rows
+from anex_pipeline_tests.harness.commands import COMMAND, story_rows
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 
 class FakeClock:
@@ -176,7 +176,7 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
         cost=0.01234,
     )
     spent = {"engine_load": 91.2, "generate": 6.5, "estimate": 0.4, "merge": 0.1}
-    lines = summary_lines(report, "out/r.jsonl.report.json", "jsonl", spent, 98.0)
+    lines = summary_lines(report, "out/r.jsonl.report.json", "error", spent, 98.0)
     assert lines == [
         "status      completed",
         "rows        5 completed (3 reached the token cap), 5 failed, 1 format errors, of 10",
@@ -190,11 +190,12 @@ def test_the_summary_is_a_few_aligned_lines() -> None:
         "report      out/r.jsonl.report.json",
     ]
     stopped = report.model_copy(update={"status": "stopped_early", "request_counts": RequestCounts(total=10)})
-    lines = summary_lines(stopped, "r.report.json", "parquet", {}, 3.0)
+    lines = summary_lines(stopped, "r.report.json", "error_type", {}, 3.0)
     assert lines[0] == "status      stopped early" and "10 have no result" in lines[1]
     assert "result      none published: no row has a result" in lines
 
 
+@pytest.mark.subprocess
 def test_engine_chatter_goes_to_the_log_file_and_our_lines_to_the_terminal(tmp_path: Path) -> None:
     """Output below Python (a raw write to descriptor 2, a child process), vLLM-style logging to
     sys.__stderr__ and Python warnings land in the log; what we print to sys.stderr stays on the
@@ -230,6 +231,7 @@ OUR_LINE = re.compile(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.engine
 def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -> None:
     """The installed command on the real engine, stderr not a terminal: progress comes as rows
@@ -305,7 +307,7 @@ def test_generation_figures_reach_the_materialization_and_the_run_log(
 ) -> None:
     from anex_pipeline.orchestration.resources import StorageResource
     from anex_pipeline.runner import JobRunner
-    from anex_pipeline_tests.fakes import fake_engine
+    from anex_pipeline.testing import fake_engine
 
     rows = [chat_row(f"r{i}", " ".join(["w"] * (i % 7 + 1))) for i in range(30)] + [chat_row("long", "w " * 300)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -399,6 +401,7 @@ class Terminal:
         return code
 
 
+@pytest.mark.subprocess
 @pytest.mark.engine
 def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_path: Path) -> None:
     """The real command on the real engine under a pseudo-terminal, then piped: no row or rate

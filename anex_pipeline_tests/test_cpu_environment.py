@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from anex_pipeline.engine import cpu_environment
-from anex_pipeline.engine.cpu_environment import KV_CACHE_ENV, PRELOAD_ENV, RESERVED_CORES_ENV, engine_environment
+from anex_pipeline.engine.vllm import cpu_environment
+from anex_pipeline.engine.vllm.cpu_environment import KV_CACHE_ENV, PRELOAD_ENV, RESERVED_CORES_ENV, engine_environment
 
 
 @pytest.fixture(autouse=True)

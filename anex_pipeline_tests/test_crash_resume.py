@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.formats import arrow_checkpoint
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 ROWS = 900
 
@@ -29,7 +29,7 @@ def cli(tmp: Path, *args: str, delay: float = 0.0) -> subprocess.Popen[str]:
         "DAGSTER_HOME": str(tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", *args, "--quiet"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -41,6 +41,7 @@ def answers(path: Path) -> list[tuple[str, str]]:
     return [(r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"]) for r in read_jsonl(path)]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path, seed: int) -> None:
     rows = [chat_row(f"r{i}", f"question {i}", max_tokens=20) for i in range(ROWS)]
@@ -69,6 +70,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path, seed: in
     assert checkpoint_lines(tmp_path) == ROWS
 
 
+@pytest.mark.subprocess
 def test_sigkill_of_a_parquet_job_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     src = tmp_path / "in.parquet"
     pq.write_table(

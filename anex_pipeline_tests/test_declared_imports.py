@@ -9,7 +9,7 @@ import re
 import sys
 import tomllib
 
-from anex_pipeline_tests.conftest import REPO
+from anex_pipeline_tests.harness.jobs import REPO
 
 
 def _normalized(name: str) -> str:

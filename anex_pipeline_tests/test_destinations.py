@@ -24,8 +24,8 @@ from anex_pipeline import cli
 from anex_pipeline.cli import commands
 from anex_pipeline.errors import ExitCode
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_sensors import local_deployment, submitted
+from anex_pipeline_tests.harness.deployment import local_deployment, submitted
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 T = TypeVar("T")
 
@@ -124,6 +124,7 @@ def test_refusal_names_what_would_be_overwritten(
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.subprocess
 def test_the_real_command_refuses_an_output_that_is_its_input(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("a", "hi")])
     before = src.read_bytes()

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 ROWS = 300
 
@@ -48,7 +48,7 @@ def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0, home: Path | None
         "DAGSTER_HOME": str(home or tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.fake_cli", *args, "--quiet"]
+    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", *args, "--quiet"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -125,6 +125,7 @@ def assert_clean_failure(code: int, err: str, path: Path) -> None:
     assert_one_error_line(code, err, path, "no space left")
 
 
+@pytest.mark.subprocess
 def test_full_output_location_keeps_the_rows_and_leaves_no_partial_file(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     work = tmp_path / "work"
@@ -143,6 +144,7 @@ def test_full_output_location_keeps_the_rows_and_leaves_no_partial_file(tmp_path
     assert len(checkpoint_lines(work)) == ROWS  # the rerun generated nothing again
 
 
+@pytest.mark.subprocess
 def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     work = small_disk(tmp_path / "work", "1m")
@@ -172,6 +174,7 @@ def test_work_folder_filling_up_mid_shard_keeps_whole_rows_and_resumes(tmp_path:
     assert len(after) == ROWS and set(kept) <= set(after)  # finished rows kept, none generated again
 
 
+@pytest.mark.subprocess
 def test_work_folder_filling_up_mid_shard_keeps_a_parquet_checkpoint_whole(tmp_path: Path, small_disk: Mount) -> None:
     src = parquet_input(tmp_path)
     work = small_disk(tmp_path / "work", "1m")
@@ -196,6 +199,7 @@ def test_work_folder_filling_up_mid_shard_keeps_a_parquet_checkpoint_whole(tmp_p
     assert len(after) == ROWS and set(kept) <= set(after)
 
 
+@pytest.mark.subprocess
 def test_an_unwritable_output_is_refused_before_anything_runs(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     work = tmp_path / "work"
@@ -212,6 +216,7 @@ def test_an_unwritable_output_is_refused_before_anything_runs(tmp_path: Path, sm
     assert checkpoint_lines(work) == []  # nothing generated
 
 
+@pytest.mark.subprocess
 def test_an_output_that_becomes_unwritable_is_one_line_of_error(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     work = tmp_path / "work"
@@ -228,6 +233,7 @@ def test_an_output_that_becomes_unwritable_is_one_line_of_error(tmp_path: Path, 
     assert os.listdir(disk) == []
 
 
+@pytest.mark.subprocess
 def test_a_full_disk_under_the_dagster_home_says_where_and_resumes(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     disk = small_disk(tmp_path / "disk", "4m")
@@ -249,6 +255,7 @@ def test_a_full_disk_under_the_dagster_home_says_where_and_resumes(tmp_path: Pat
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
 
 
+@pytest.mark.subprocess
 def test_a_new_dagster_home_on_a_full_disk_is_one_line_before_anything_runs(tmp_path: Path, small_disk: Mount) -> None:
     src = job_input(tmp_path)
     disk = small_disk(tmp_path / "disk", "4m")

@@ -16,7 +16,7 @@ import pytest
 
 from anex_pipeline.cli import main
 from anex_pipeline.cli.parser import build_parser, engine_args_of
-from anex_pipeline.engine import EngineConfig, EngineSettings, vllm_local
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.engine_args import (
     EngineArgError,
     canonical,
@@ -28,8 +28,10 @@ from anex_pipeline.engine.engine_args import (
 )
 from anex_pipeline.engine.machine_server import server_command, settings_key
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.vllm import engine as vllm_engine
+from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
 
 
 def settings(**args: Any) -> EngineSettings:
@@ -150,6 +152,7 @@ def run_cli(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[st
     return done, time.monotonic() - started
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("flag", "said"),
     [
@@ -216,7 +219,7 @@ def test_run_with_engine_arguments_on_the_cpu_build_loads_them_and_reports_them(
     """The command's --engine-arg reach the loaded engine's vllm_config, the report lists them,
     and an unset max_model_len gives the model's own context (8192 for SmolLM2)."""
     loaded: list[dict[str, Any]] = []
-    real = vllm_local.VllmLocalEngine
+    real = vllm_engine.VllmLocalEngine
 
     def load(given: EngineSettings) -> Any:
         engine = real(given)
@@ -230,7 +233,7 @@ def test_run_with_engine_arguments_on_the_cpu_build_loads_them_and_reports_them(
         )
         return engine
 
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", load)
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", load)
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.delenv("ANEX_ENGINE_ARGS", raising=False)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"q{i}", f"Say {i}.") for i in range(3)])
@@ -247,6 +250,7 @@ def test_run_with_engine_arguments_on_the_cpu_build_loads_them_and_reports_them(
     assert (engine["max_model_len"], engine["max_model_len_source"]) == (8192, "model")
 
 
+@pytest.mark.subprocess
 def test_engine_arguments_with_a_server_address_are_refused(tmp_path: Path) -> None:
     done, _ = run_cli(tmp_path, "--base-url", "http://127.0.0.1:9", "--tensor-parallel-size", "2")
     assert done.returncode == 2
@@ -256,7 +260,7 @@ def test_engine_arguments_with_a_server_address_are_refused(tmp_path: Path) -> N
 
 @pytest.mark.engine
 def test_a_kv_cache_smaller_than_the_models_context_cuts_it_and_the_report_says_so() -> None:
-    from anex_pipeline.engine import load_engine, release_engines
+    from anex_pipeline.engine.loader import load_engine, release_engines
 
     small = {"num_gpu_blocks_override": 12}  # 12 blocks of 128 tokens: under SmolLM2's 8192
     given = EngineSettings(
@@ -264,7 +268,7 @@ def test_a_kv_cache_smaller_than_the_models_context_cuts_it_and_the_report_says_
     )
     try:
         engine = load_engine(given)
-        section = engine.report_section  # type: ignore[attr-defined]
+        section = engine.report_section()
         cache = engine.llm.llm_engine.vllm_config.cache_config  # type: ignore[attr-defined]
         assert section["max_model_len_source"] == "kv_cache"
         assert section["max_model_len"] <= cache.num_gpu_blocks * cache.block_size < 8192

@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
-from anex_pipeline_tests.test_engine_vision import answers, media_metadata, text_of
-from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for, tone_wav
-from anex_pipeline_tests.tiny_models import AUDIO_RATE, AUDIO_TOKEN, AUDIO_TOKENS
+from anex_pipeline_tests.harness.jobs import answers, chat_row, run_job, text_of, write_jsonl
+from anex_pipeline_tests.harness.media import WAV, MediaServer, image, image_for, media_metadata, tone_wav
+from anex_pipeline_tests.harness.tiny_models import AUDIO_RATE, AUDIO_TOKEN, AUDIO_TOKENS
 
 pytestmark = pytest.mark.engine
 

@@ -3,17 +3,27 @@ engine that died replaced by a new one on the next request for it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from anex_pipeline import engine as engines
-from anex_pipeline.engine import EngineSettings, load_engine, release_engines
+from anex_pipeline.engine import loader
+from anex_pipeline.engine.base import Engine, EngineRequest
+from anex_pipeline.engine.loader import load_engine, release_engines
+from anex_pipeline.engine.vllm.engine import EngineSettings
+from anex_pipeline.spec import RowOutcome
 
 
-class StubEngine:
+class StubEngine(Engine):
+    """Stands in for the vLLM engine class: the loader's cache only builds, marks and shuts engines down."""
+
     def __init__(self, settings: EngineSettings):
         self.model_name = settings.model_name
         self.dead = False
         self.stopped = False
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        raise AssertionError("the cache's tests never run rows")
 
     def shutdown(self) -> None:
         self.stopped = True
@@ -21,7 +31,7 @@ class StubEngine:
 
 @pytest.fixture(autouse=True)
 def stub_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("anex_pipeline.engine.vllm_local.VllmLocalEngine", StubEngine)
+    monkeypatch.setattr("anex_pipeline.engine.vllm.engine.VllmLocalEngine", StubEngine)
     yield
     release_engines()
 
@@ -32,7 +42,7 @@ def test_same_settings_share_one_engine_and_another_model_replaces_it() -> None:
     assert load_engine(a) is first
     other = load_engine(EngineSettings(model="/models/b", model_name="b"))
     assert other is not first and first.stopped  # two models never hold memory at once
-    assert list(engines._loaded.values()) == [other]
+    assert list(loader._loaded.values()) == [other]
 
 
 def test_a_dead_engine_is_shut_down_and_loaded_again() -> None:

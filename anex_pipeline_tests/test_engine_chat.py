@@ -19,7 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -67,6 +67,7 @@ def test_200_row_chat_job_with_one_overlong_prompt(tmp_path: Path, real_runner: 
     assert report["usage"]["completion_tokens"] > 0
 
 
+@pytest.mark.subprocess
 def test_cli_run_gives_real_english_answers(tmp_path: Path) -> None:
     """The installed command, in its own process, as a user runs it."""
     rows = [chat_row("paris", "What is the capital of France? Answer in one sentence.", max_tokens=24, temperature=0)]

@@ -1,4 +1,4 @@
-"""vLLM's CPU engine processes start as engine/cpu_environment.py sets them up: on a small machine
+"""vLLM's CPU engine processes start as engine/vllm/cpu_environment.py sets them up: on a small machine
 the model's threads are bound to every core this process may use (vLLM alone would keep one out),
 and tcmalloc, when installed, is loaded into them."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from anex_pipeline.engine.cpu_environment import FEW_CORES, RESERVED_CORES_ENV, _tcmalloc
 from anex_pipeline.engine.orphans import descendants
+from anex_pipeline.engine.vllm.cpu_environment import FEW_CORES, RESERVED_CORES_ENV, _tcmalloc
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -16,18 +16,21 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from anex_pipeline import engine as engines
-from anex_pipeline.engine import EngineConfig, EngineSettings, load_engine, release_engines
+from anex_pipeline.engine import loader
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.engine_args import canonical
+from anex_pipeline.engine.loader import load_engine, release_engines
 from anex_pipeline.engine.models import local_model_path, resolve_model
-from anex_pipeline.engine.watchdog import EngineProcessDied, engine_processes
+from anex_pipeline.engine.vllm.engine import EngineSettings
+from anex_pipeline.engine.vllm.watchdog import engine_processes
+from anex_pipeline.errors import EngineProcessDied
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -136,7 +139,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
                 deadline = time.monotonic() + 1200  # engine start takes minutes on a busy machine
                 while len(checkpoint_lines(checkpoint)) < KILL_AFTER and time.monotonic() < deadline:
                     time.sleep(0.02)
-                (engine,) = engines._loaded.values()
+                (engine,) = loader._loaded.values()
                 os.kill(engine_processes(engine.llm)[0].pid, signal.SIGKILL)
                 killed.append((engine, len(checkpoint_lines(checkpoint))))
 
@@ -144,7 +147,7 @@ def test_dagster_retries_the_shard_on_a_new_engine_after_the_engine_process_dies
             killer.start()
             report = runner.run(job)
             killer.join()
-            (replacement,) = engines._loaded.values()
+            (replacement,) = loader._loaded.values()
         finally:
             runner.close()
         retried = [

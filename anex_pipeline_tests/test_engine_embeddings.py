@@ -15,7 +15,7 @@ from openai.types import CreateEmbeddingResponse
 from anex_pipeline.engine.models import embedding_model_dir
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -112,7 +112,7 @@ def test_every_input_shape_gives_one_indexed_vector_per_input(tmp_path: Path, re
 
 @pytest.fixture(scope="session")
 def matryoshka_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from anex_pipeline_tests.tiny_models import build_matryoshka_embedding_model
+    from anex_pipeline_tests.harness.tiny_models import build_matryoshka_embedding_model
 
     return build_matryoshka_embedding_model(tmp_path_factory.mktemp("models") / "minilm-matryoshka")
 

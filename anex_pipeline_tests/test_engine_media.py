@@ -8,8 +8,8 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.test_media import MediaServer, image, media_row
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.media import MediaServer, image, media_row
 
 pytestmark = pytest.mark.engine
 

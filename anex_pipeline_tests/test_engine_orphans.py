@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.commands import names
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -49,16 +50,7 @@ class Run:
             pytest.fail(f"no '{text}' line in 600 s:\n{''.join(self.tail)}")
 
 
-def names(family: dict[int, int]) -> list[str]:
-    found = []
-    for pid in family:
-        try:
-            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
-        except OSError:
-            found.append("?")
-    return found
-
-
+@pytest.mark.subprocess
 def test_killed_run_leaves_no_process_behind(tmp_path: Path) -> None:
     # enough rows and tokens that the engine is still generating seconds after it is ready
     rows = [chat_row(f"r{i}", f"List animals ({i}).", max_tokens=96, temperature=0, ignore_eos=True) for i in range(64)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.engine.vllm.engine import VllmLocalEngine
 from anex_pipeline.options import job_options
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 pytestmark = pytest.mark.engine
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from anex_pipeline.engine import EngineConfig, EngineLoadFailed, engine_for, register_engine
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import engine_for, register_engine
+from anex_pipeline.errors import EngineLoadFailed
 from anex_pipeline.orchestration.resources import EngineResource
+from anex_pipeline.testing import FakeEngine
 from anex_pipeline.workdir.manifest import JobManifest, ShardRange
-from anex_pipeline_tests.fakes import FakeEngine
 
 
 def manifest(model_name: str = "m") -> JobManifest:

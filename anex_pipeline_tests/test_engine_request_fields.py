@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

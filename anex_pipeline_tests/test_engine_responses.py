@@ -11,9 +11,8 @@ import pytest
 from openai.types.responses import Response
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.test_batch_api import client, content, serving, wait
-from anex_pipeline_tests.test_responses import responses_row
+from anex_pipeline_tests.harness.batch_api import client, content, serving, wait
+from anex_pipeline_tests.harness.jobs import read_jsonl, responses_row, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
 

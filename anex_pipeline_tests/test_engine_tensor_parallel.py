@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.engine.orphans import descendants, kill_all, start_time
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.test_engine_orphans import names
-from anex_pipeline_tests.tiny_models import build_tiny_model
+from anex_pipeline_tests.harness.commands import names
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
+from anex_pipeline_tests.harness.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.engine
 
@@ -65,6 +65,7 @@ def wait_gone(family: dict[int, int], within_s: float) -> list[int]:
     return alive
 
 
+@pytest.mark.subprocess
 def test_a_tensor_parallel_engine_stops_on_ctrl_c_and_leaves_nothing_when_killed(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny")
     # Rows of growing lengths finish one after another (rows that run together and are equally

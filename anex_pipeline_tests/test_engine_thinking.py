@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine import EngineConfig
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.tiny_models import SPECIAL_TOKENS, build_tiny_model
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.tiny_models import SPECIAL_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.engine
 

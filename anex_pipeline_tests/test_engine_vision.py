@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,18 +24,19 @@ from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import (
+from anex_pipeline_tests.harness.batch_api import content, wait
+from anex_pipeline_tests.harness.commands import Served
+from anex_pipeline_tests.harness.jobs import (
+    answers,
     chat_row,
     local_instance,
-    read_jsonl,
     real_engine_resource,
     run_job,
+    text_of,
     write_jsonl,
 )
-from anex_pipeline_tests.test_batch_api import content, wait
-from anex_pipeline_tests.test_media import WAV, MediaServer, image, image_for
-from anex_pipeline_tests.test_stop_real import Served
-from anex_pipeline_tests.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
+from anex_pipeline_tests.harness.media import WAV, MediaServer, image, image_for, media_metadata
+from anex_pipeline_tests.harness.tiny_models import IMAGE_TOKEN, VISION_IMAGE_TOKENS
 
 pytestmark = pytest.mark.engine
 
@@ -81,22 +81,6 @@ def expected_prompt_tokens(model: Path, paths: list[str]) -> int:
     image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     assert sum(1 for t in ids if t == image_id) == VISION_IMAGE_TOKENS * len(paths)
     return len(ids)
-
-
-def media_metadata(runner: JobRunner) -> dict[str, Any]:
-    """The metadata of the latest fetched_media materialization on the runner's instance."""
-    records = runner.instance.fetch_materializations(dg.AssetKey("fetched_media"), limit=1).records
-    materialization = records[0].asset_materialization
-    assert materialization is not None
-    return {k: v.value for k, v in materialization.metadata.items()}
-
-
-def answers(out: Path) -> dict[str, dict[str, Any]]:
-    return {line["custom_id"]: line for line in read_jsonl(out)}
-
-
-def text_of(line: dict[str, Any]) -> str:
-    return ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content or ""
 
 
 def test_images_by_url_and_inline_reach_the_model(
@@ -222,6 +206,7 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     assert lines["gone"]["error"]["type"] == "media_fetch_error"
 
 
+@pytest.mark.subprocess
 def test_a_vision_batch_through_serve(tmp_path: Path, vision_model: Path, media_server: MediaServer) -> None:
     """The openai SDK against ``anex-pipeline serve`` in its own process, which loads the model."""
     rows = [

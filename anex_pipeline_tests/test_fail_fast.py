@@ -19,17 +19,16 @@ from typing import Any
 import boto3
 import pytest
 
-from anex_pipeline import engine as engine_module
+from anex_pipeline import testing
 from anex_pipeline.cli import main
-from anex_pipeline.engine import models, vllm_local
+from anex_pipeline.engine import loader, models
+from anex_pipeline.engine.vllm import engine as vllm_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.storage import output_problem
-from anex_pipeline_tests import fakes
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_batch_api import client, serving, submit, wait
-from anex_pipeline_tests.test_sensors import s3_endpoint  # noqa: F401  (a fixture)
+from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 ABSENT = "no-such-org/no-such-model"
 
@@ -59,6 +58,7 @@ def rows(n: int) -> list[dict[str, Any]]:
 # -- the model -------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_an_absent_model_is_refused_by_the_command_in_seconds(tmp_path: Path, command: str, offline: bool) -> None:
@@ -122,7 +122,7 @@ def test_a_job_sent_to_a_model_server_does_not_look_for_its_model_here(
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     with pytest.raises(JobRejected, match=ABSENT):
         fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT})
-    http = JobRunner(instance, fake_runner.storage, fakes.fake_engine(base_url="http://127.0.0.1:9"))
+    http = JobRunner(instance, fake_runner.storage, testing.fake_engine(base_url="http://127.0.0.1:9"))
     assert http.submit(str(src), str(tmp_path / "out.jsonl"), {"model": ABSENT}).manifest().model == ABSENT
     http.close()
 
@@ -148,8 +148,8 @@ class _UnloadableEngine:
 def test_an_engine_that_cannot_load_fails_the_job_once_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", _UnloadableEngine)
-    monkeypatch.setattr(engine_module, "_failed", {}, raising=False)  # a fresh memory of failed loads
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", _UnloadableEngine)
+    monkeypatch.setattr(loader, "_failed", {}, raising=False)  # a fresh memory of failed loads
     (tmp_path / "model").mkdir()
     src = write_jsonl(tmp_path / "in.jsonl", rows(4))
     argv = ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", str(tmp_path / "model")]
@@ -167,7 +167,7 @@ def test_an_engine_that_cannot_load_fails_the_job_once_with_its_reason(
 @pytest.mark.parametrize("cause", ["no-bucket", "no-credentials"])
 def test_an_unwritable_s3_output_is_refused_before_generation(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     cause: str,
@@ -215,7 +215,7 @@ def test_an_output_that_is_a_folder_or_under_a_read_only_one_is_refused(
 
 def test_run_and_validate_read_an_s3_input(
     tmp_path: Path,
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     fake_engine: None,
@@ -366,7 +366,7 @@ def test_bad_request_bodies_are_refused_at_submit_line_by_line(
         raise AssertionError("a refused job reached the engine or the Dagster steps")
 
     monkeypatch.setattr(JobRunner, "_execute", no_engine)
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", no_engine)
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", no_engine)
     src = write_jsonl(tmp_path / "in.jsonl", BAD_BODIES)
     argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl")] if command == "run" else [])
     assert main(argv) == 2
@@ -386,7 +386,7 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     from anex_pipeline.runner import _first_error
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
-    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), fakes.fake_engine(base_url=base_url))
+    defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), testing.fake_engine(base_url=base_url))
     instance.add_dynamic_partitions(JOBS, ["ui-job"])
     config = {"input": str(src), "output": str(tmp_path / "out.jsonl"), "options": {"model": ABSENT}}
     result = defs.resolve_job_def("submit_job").execute_in_process(
@@ -406,9 +406,9 @@ def test_a_real_engine_that_refuses_its_configuration_fails_once(
 ) -> None:
     """vLLM refuses a context longer than the model's: the job fails with that reason, no retry."""
     loads = []
-    real = vllm_local.VllmLocalEngine
-    monkeypatch.setattr(vllm_local, "VllmLocalEngine", lambda settings: loads.append(settings) or real(settings))
-    monkeypatch.setattr(engine_module, "_failed", {}, raising=False)  # a fresh memory of failed loads
+    real = vllm_engine.VllmLocalEngine
+    monkeypatch.setattr(vllm_engine, "VllmLocalEngine", lambda settings: loads.append(settings) or real(settings))
+    monkeypatch.setattr(loader, "_failed", {}, raising=False)  # a fresh memory of failed loads
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     argv = ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--max-tokens", "8", "--quiet"]
     started = time.monotonic()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from anex_pipeline.cli.parser import build_parser
-from anex_pipeline_tests.conftest import REPO
+from anex_pipeline_tests.harness.jobs import REPO
 from bench import gpu_check
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
@@ -26,6 +26,7 @@ def commands(dry_run_output: str) -> dict[str, list[str]]:
     return {name[2:]: shlex.split(command) for name, command in zip(lines[::2], lines[1::2], strict=True)}
 
 
+@pytest.mark.subprocess
 def test_a_dry_run_on_two_gpus_prints_every_command_and_runs_none(tmp_path: Path) -> None:
     done = check("--dry-run", "--gpus", "2", "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
@@ -60,12 +61,14 @@ def test_a_dry_run_on_two_gpus_prints_every_command_and_runs_none(tmp_path: Path
         assert (REPO / (steps[name][2].replace(".", "/") + ".py")).exists()
 
 
+@pytest.mark.subprocess
 def test_one_gpu_leaves_out_tensor_parallel() -> None:
     done = check("--dry-run", "--gpus", "1")
     assert done.returncode == 0, done.stderr
     assert "tensor parallel 2" not in commands(done.stdout) and "--tensor-parallel-size" not in done.stdout
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("args", "said"), [(["--bogus"], "unrecognized arguments: --bogus"), (["--gpus", "-1"], "0 or more")]
 )
@@ -75,6 +78,7 @@ def test_a_wrong_argument_is_one_line_and_exit_2(args: list[str], said: str) -> 
     assert said in done.stderr.splitlines()[-1] and "Traceback" not in done.stderr
 
 
+@pytest.mark.subprocess
 def test_without_a_gpu_or_vllms_gpu_build_it_says_what_is_missing_in_one_line() -> None:
     done = check()
     assert done.returncode == 2
@@ -108,6 +112,7 @@ def test_the_table_takes_its_figures_from_the_reports_and_the_benchmarks_lines()
     assert lines[1].split() == ["example", "812", "-", "33", "s", "-", "ok"]
 
 
+@pytest.mark.subprocess
 def test_the_working_tree_fits_what_travels_to_a_gpu_machine() -> None:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
     size = sum((REPO / name).stat().st_size for name in files.stdout.split("\0") if name and (REPO / name).is_file())

@@ -10,11 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,144 +22,26 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine import EngineConfig
-from anex_pipeline.engine.base import EngineRequest, resolve_request, run_checked
+from anex_pipeline.engine.base import resolve_request, run_checked
 from anex_pipeline.engine.completions import Generated, chat_completion
-from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import (
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.http.engine import (
     HttpSettings,
     OpenAIHttpEngine,
     ServerUnavailable,
     named_context_error,
     row_error,
 )
-from anex_pipeline.engine.replicas import ServersDown
-from anex_pipeline.formats import InputRow
+from anex_pipeline.engine.http.replicas import ServersDown
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.vllm_serve import free_port, vllm_servers
-
-SERVED = "served-model"
-USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
-
-
-class FakeServer:
-    """An OpenAI-compatible server on loopback that records what it was sent."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.attempts: Counter[str] = Counter()  # per row text
-        self.received: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}  # request id -> (headers, body)
-        self.answered: dict[str, dict[str, Any]] = {}  # request id -> body sent back
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self._reply(200, {"object": "list", "data": [{"id": SERVED, "object": "model"}]})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with server.lock:
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                try:
-                    self._answer(body)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
-
-            def _answer(self, body: dict[str, Any]) -> None:
-                text = body["messages"][-1]["content"] if "messages" in body else body.get("prompt", body.get("input"))
-                rid = self.headers.get("X-Request-Id", "none")
-                with server.lock:
-                    server.attempts[text] += 1
-                    attempt = server.attempts[text]
-                    server.received[rid] = (dict(self.headers), body)
-                if text == "bad":
-                    error = {
-                        "message": "temperature must be at least 0",
-                        "type": "BadRequestError",
-                        "param": "temperature",
-                    }
-                    return self._reply(400, {"error": {**error, "code": 400}})
-                if text == "busy" and attempt == 1:
-                    return self._reply(
-                        429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"Retry-After": "1"}
-                    )
-                if text == "down":
-                    return self._reply(
-                        503, {"error": {"message": "overloaded", "type": "ServiceUnavailable", "code": 503}}
-                    )
-                if text == "slow":
-                    time.sleep(0.2)
-                answer = self._completion(self.path, body, rid, text)
-                server.answered[rid] = answer
-                self._reply(200, answer)
-
-            def _completion(self, path: str, body: dict[str, Any], rid: str, text: str) -> dict[str, Any]:
-                head = {"created": 1700000000, "model": body["model"]}
-                if path == "/v1/embeddings":
-                    data = [{"index": 0, "object": "embedding", "embedding": [3.0, 4.0]}]
-                    return {"id": f"embd-{rid}", "object": "list", **head, "data": data, "usage": USAGE}
-                if path == "/v1/completions":
-                    choice = {"index": 0, "text": f" {text}!", "logprobs": None, "finish_reason": "length"}
-                    return {
-                        "id": f"cmpl-{rid}",
-                        "object": "text_completion",
-                        **head,
-                        "choices": [choice],
-                        "usage": USAGE,
-                    }
-                message = {"role": "assistant", "content": f"echo: {text}", "reasoning_content": None, "tool_calls": []}
-                choice = {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                    "stop_reason": None,
-                }
-                return {
-                    "id": f"chatcmpl-{rid}",
-                    "object": "chat.completion",
-                    **head,
-                    "choices": [choice],
-                    "usage": USAGE,
-                    "prompt_logprobs": None,
-                }
-
-            def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for name, value in (headers or {}).items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(data)
-
-        return Handler
+from anex_pipeline.spec import InputRow, JobOptions
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.openai_server import SERVED, FakeServer, request
+from anex_pipeline_tests.harness.ports import free_port
+from anex_pipeline_tests.harness.vllm_serve import vllm_servers
 
 
 @pytest.fixture
@@ -175,15 +54,6 @@ def server() -> Iterator[FakeServer]:
 def engine_on(server: FakeServer, **settings: Any) -> OpenAIHttpEngine:
     defaults: dict[str, Any] = {"model_name": DEFAULT_CHAT_MODEL, "backoff_s": 0.01, "retries": 2}
     return OpenAIHttpEngine(HttpSettings(base_url=server.url, **{**defaults, **settings}))
-
-
-def request(i: int, text: str, endpoint: str = "chat", **fields: Any) -> EngineRequest:
-    body: dict[str, Any] = {
-        "chat": {"messages": [{"role": "user", "content": text}]},
-        "completions": {"prompt": text},
-        "embeddings": {"input": text},
-    }[endpoint]
-    return EngineRequest(index=i, key=f"row-{i}", request_id=f"rid{i}", endpoint=endpoint, body=body, **fields)  # type: ignore[arg-type]
 
 
 def test_success_bodies_pass_through_and_carry_the_resolved_values(server: FakeServer) -> None:
@@ -353,6 +223,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield served.url
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path, vllm_server: str) -> None:
     questions = ["What is the capital of France?", "Say hello.", "Name a colour."]

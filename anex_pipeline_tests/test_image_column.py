@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.formats.images import image_part, image_type
-from anex_pipeline.formats.parquet import request_body
+from anex_pipeline.formats.parquet_input import request_body
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.test_media import MediaServer, png_bytes
+from anex_pipeline_tests.harness.media import MediaServer, png_bytes
 
 PNG = png_bytes(5)
 

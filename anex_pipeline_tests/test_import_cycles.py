@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from anex_pipeline_tests.conftest import REPO
+from anex_pipeline_tests.harness.jobs import REPO
 
 PACKAGE = REPO / "anex_pipeline"
 

@@ -11,22 +11,25 @@ import sys
 import time
 from pathlib import Path
 
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+import pytest
+
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 PROCESSES = 4
 # Each process imports everything first, says it is ready, then waits for the common start.
 CREATE = """
 import os, sys, time
 from pathlib import Path
-from anex_pipeline.cli.commands import _instance
+from anex_pipeline.instance import dagster_instance
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 ready.touch()
 while not go.exists():
     time.sleep(0.001)
-_instance().get_runs()
+dagster_instance().get_runs()
 """
 
 
+@pytest.mark.subprocess
 def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
     home = tmp_path / "dagster"
     env = {**os.environ, "DAGSTER_HOME": str(home)}
@@ -52,7 +55,15 @@ def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
 
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
     run = subprocess.run(
-        [sys.executable, "-m", "anex_pipeline_tests.fake_cli", "run", str(src), "-o", str(tmp_path / "out.jsonl")],
+        [
+            sys.executable,
+            "-m",
+            "anex_pipeline_tests.harness.fake_cli",
+            "run",
+            str(src),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+        ],
         env={**env, "ANEX_WORK_DIR": str(tmp_path / "work")},
         capture_output=True,
         text=True,

@@ -14,14 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint, parquet
+from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint, jsonl_input, parquet
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobOptions, JobRejected, RowError, RowOutcome
-from anex_pipeline.stages import merge
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 
 def answer(i: int, key: str, text: str | None = None) -> RowOutcome:
@@ -215,7 +215,7 @@ def test_a_shard_staged_with_the_prompt_in_every_line_reads_the_same(tmp_path: P
     for endpoint, body in (("chat", chat_body), ("responses", respond_body)):
         shard = tmp_path / f"{endpoint}.jsonl"
         shard.write_bytes(b'{"i":0,"key":"a","body":%b}\n' % msgspec.json.encode(body))
-        (row,) = jsonl.read_shard(shard, endpoint, options)  # type: ignore[arg-type]
+        (row,) = FORMATS["jsonl"].read_shard(shard, endpoint, options)  # type: ignore[arg-type]
         assert (row.respond or row.body) == body
         assert [m["content"] for m in row.body["messages"]] == ["Be kind.", "hi"]
 
@@ -228,7 +228,7 @@ def test_shard_files_are_cut_right_at_any_block_boundary(tmp_path: Path, monkeyp
         monkeypatch.setattr(jsonl, "COPY_BLOCK", block)
         sizes = [33, 1, 0, 66]
         targets = [(tmp_path / f"s{block}-{n}", size) for n, size in enumerate(sizes)]
-        jsonl.split_staging(staging, targets)
+        FORMATS["jsonl"].split_staging(staging, targets)
         starts = [sum(sizes[:n]) for n in range(len(sizes))]
         for (path, size), start in zip(targets, starts, strict=True):
             assert path.read_bytes() == b"".join(lines[start : start + size]), (block, path.name)
@@ -307,7 +307,7 @@ def test_a_record_of_the_wrong_shape_stops_the_merge_instead_of_dropping_the_row
 
 
 def test_repeated_ids_are_named_even_when_every_hash_collides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jsonl, "hash", lambda _: 7, raising=False)  # ids are kept as hashes only
+    monkeypatch.setattr(jsonl_input, "hash", lambda _: 7, raising=False)  # ids are kept as hashes only
     rows = [chat_row(cid, "q") for cid in ("a", "b", "c", "b", "d", "a")]
     rows[2]["body"]["messages"] = []  # a rejected line's id does not count as used
     rows.append(chat_row("c", "q"))
@@ -328,7 +328,7 @@ def test_a_merge_out_of_space_leaves_no_partial_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: str
 ) -> None:
     if processes == "one per core":
-        monkeypatch.setattr(merge, "PARALLEL_MERGE_ROWS", 0)
+        monkeypatch.setattr(jsonl, "PARALLEL_MERGE_ROWS", 0)
     job = chat_job(tmp_path, 20, shards=2)
     for shard, rng in enumerate(job.manifest().shards):
         append_outcomes(job.checkpoint_path(shard), [answer(i, f"r{i}") for i in range(rng.start, rng.stop)])
@@ -352,7 +352,7 @@ def test_a_big_jsonl_job_merged_by_several_processes_equals_one_merged_by_one(
         messy_checkpoint(job.checkpoint_path(shard), rng.stop, seed=shard)
     alone = merge_job(job)
     by_one = result_path(job).read_bytes()
-    monkeypatch.setattr(merge, "PARALLEL_MERGE_ROWS", 0)
+    monkeypatch.setattr(jsonl, "PARALLEL_MERGE_ROWS", 0)
     together = merge_job(job)
     assert result_path(job).read_bytes() == by_one
     assert together.model_dump(exclude={"timings"}) == alone.model_dump(exclude={"timings"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anex_pipeline.stages.length_bound import order_statistic_rank, upper_bound
+from anex_pipeline.stages.estimate_length_bound import order_statistic_rank, upper_bound
 
 DISTRIBUTIONS = {
     "lognormal": lambda rng, n: rng.lognormal(4.0, 0.8, n),

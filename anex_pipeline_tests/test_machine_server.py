@@ -25,7 +25,8 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.cli import main as cli_main
-from anex_pipeline.engine import _loaded, machine_server
+from anex_pipeline.engine import machine_server
+from anex_pipeline.engine.loader import _loaded
 from anex_pipeline.engine.machine_server import (
     ServerBusy,
     UnsafeStateFolder,
@@ -39,14 +40,14 @@ from anex_pipeline.engine.machine_server import (
 )
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descendants, running, signal_if_same, start_time
-from anex_pipeline.engine.vllm_local import EngineSettings
+from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.runner import QUIET_LOGGERS
-from anex_pipeline_tests.conftest import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.test_sensors import Deployment
+from anex_pipeline_tests.harness.deployment import Deployment
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 SETTINGS_CODE = (
-    "from anex_pipeline.engine.vllm_local import EngineSettings\n"
+    "from anex_pipeline.engine.vllm.engine import EngineSettings\n"
     "from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path\n"
     "settings = EngineSettings(model=str(local_model_path(DEFAULT_CHAT_MODEL)), model_name=DEFAULT_CHAT_MODEL,"
     " max_model_len=2048)\n"
@@ -74,6 +75,8 @@ def wait_until(condition: object, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.subprocess
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_ends(server_dir: Path) -> None:
     code = SETTINGS_CODE + (
@@ -110,7 +113,7 @@ def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_
 def run_multiprocess(deployment: Deployment, request: dg.RunRequest) -> dg.DagsterRun:
     """Runs what the driver asked for as the daemon would: each step in a process of its own."""
     job = dg.build_reconstructable_job(
-        "anex_pipeline_tests.shared_engine_location",
+        "anex_pipeline_tests.harness.shared_engine_location",
         "job_named",
         reconstructable_args=(request.job_name,),
         reconstructor_working_directory=str(REPO),
@@ -122,13 +125,14 @@ def run_multiprocess(deployment: Deployment, request: dg.RunRequest) -> dg.Dagst
         return result.dagster_run
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_a_jobs_step_processes_share_one_loaded_engine(
     tmp_path: Path, server_dir: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("ANEX_EXECUTOR", "multiprocess")  # each step a process of its own
-    from anex_pipeline_tests.shared_engine_location import defs
+    from anex_pipeline_tests.harness.shared_engine_location import defs
 
     deployment = Deployment(defs, instance)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"Count to {i}.") for i in range(6)])
@@ -156,7 +160,7 @@ def test_a_jobs_step_processes_share_one_loaded_engine(
 
 
 # -- fast tests: real supervisors over a stand-in server, real processes, real loopback servers --
-FAKE_SERVER = Path(__file__).with_name("fake_model_server.py")
+FAKE_SERVER = Path(__file__).parent / "harness" / "fake_model_server.py"
 
 
 @pytest.fixture
@@ -201,6 +205,7 @@ def leader() -> Iterator[tuple[int, int]]:
         sleeper.wait()
 
 
+@pytest.mark.subprocess
 def test_a_state_naming_an_unrelated_group_leader_signals_nothing_of_it(
     server_dir: Path, leader: tuple[int, int]
 ) -> None:
@@ -216,6 +221,7 @@ def test_a_state_naming_an_unrelated_group_leader_signals_nothing_of_it(
         assert not (server_dir / "state.json").exists(), "and the state that named it is gone"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("finder", ["the next step", "machine-server stop"])
 def test_a_dead_supervisors_strays_are_ended_by_pid_and_start_time(
     server_dir: Path, fake_servers: Path, leader: tuple[int, int], finder: str
@@ -269,6 +275,7 @@ print("spared", flush=True)
 """
 
 
+@pytest.mark.subprocess
 def test_pids_0_and_1_in_a_state_are_refused_without_a_signal(server_dir: Path) -> None:
     """Run as pid 1 of a throwaway pid namespace: there, a signal to group 1 (``kill(-1)``) or to
     group 0 reaches only the namespace's processes, so a failure cannot harm the machine."""
@@ -322,6 +329,7 @@ def test_an_unreadable_state_counts_as_no_state(server_dir: Path) -> None:
         assert read_state(server_dir) is None
 
 
+@pytest.mark.subprocess
 def test_a_state_folder_or_file_others_can_write_is_refused(
     server_dir: Path, fake_servers: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -376,6 +384,7 @@ def other_program() -> Iterator[ThreadingHTTPServer]:
         thread.join()
 
 
+@pytest.mark.subprocess
 def test_a_forged_state_pointing_at_another_loopback_port_is_not_used(
     server_dir: Path, fake_servers: Path, other_program: ThreadingHTTPServer
 ) -> None:
@@ -399,6 +408,7 @@ def test_a_forged_state_pointing_at_another_loopback_port_is_not_used(
         named.wait()
 
 
+@pytest.mark.subprocess
 def test_a_step_gives_up_waiting_for_a_busy_server_of_other_settings(
     server_dir: Path, fake_servers: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -417,6 +427,7 @@ def test_a_step_gives_up_waiting_for_a_busy_server_of_other_settings(
     wait_until(lambda: not any(running(pid, start) for pid, start in first.processes), "the first server ended", 15)
 
 
+@pytest.mark.subprocess
 def test_a_supervisor_killed_with_sigkill_takes_its_server_along(server_dir: Path, fake_servers: Path) -> None:
     state = server_for(settings_of("a"), folder=server_dir)
     family = descendants(state.pid)

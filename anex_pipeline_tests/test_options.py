@@ -17,7 +17,7 @@ from anex_pipeline.options import (
     sidecar_of,
 )
 from anex_pipeline.spec import JobRejected
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 
 @pytest.mark.parametrize(

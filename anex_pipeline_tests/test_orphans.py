@@ -13,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from anex_pipeline.engine.orphans import (
     RESOURCE_TRACKER,
     descendants,
@@ -59,6 +61,7 @@ def command_line(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
+@pytest.mark.subprocess
 def test_a_killed_process_takes_its_descendants_along_but_not_its_caller(tmp_path: Path) -> None:
     memory = f"anex-test-{uuid.uuid4().hex[:12]}"
     bystander = subprocess.Popen(["sleep", "600"])  # the caller's own child: not the guarded one's
@@ -93,6 +96,7 @@ def test_a_killed_process_takes_its_descendants_along_but_not_its_caller(tmp_pat
         kill_all(family)
 
 
+@pytest.mark.subprocess
 def test_a_pid_that_now_names_another_process_is_spared() -> None:
     sleeper = subprocess.Popen(["sleep", "600"])
     try:
@@ -106,6 +110,7 @@ def test_a_pid_that_now_names_another_process_is_spared() -> None:
         sleeper.kill()
 
 
+@pytest.mark.subprocess
 def test_a_group_is_signalled_only_through_the_leader_it_was_recorded_with() -> None:
     leader = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)  # a group of two
     member = subprocess.Popen(["sleep", "600"])  # in the test's group, led by someone else
@@ -142,6 +147,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.subprocess
 def test_the_shared_model_server_outlives_the_guarded_process_that_started_it(tmp_path: Path) -> None:
     script = tmp_path / "guarded.py"
     script.write_text(GUARDED_WITH_SERVER)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.base import Engine, EngineRequest
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.parsing import (
     BUDGET_NOTICE,
@@ -29,10 +29,10 @@ from anex_pipeline.engine.parsing import (
 )
 from anex_pipeline.spec import JobOptions, RowOutcome
 from anex_pipeline.stages.estimate import estimate_lengths, reusable_samples
-from anex_pipeline.stages.length_bound import upper_bound
+from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
-from anex_pipeline_tests.tiny_models import build_tokenizer, write_config
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
+from anex_pipeline_tests.harness.tiny_models import build_tokenizer, write_config
 
 WEATHER_TOOL = {
     "type": "function",
@@ -327,7 +327,7 @@ def test_counting_thinking_tokens() -> None:
 # -- estimating the thinking budget --------------------------------------------------------------
 
 
-class ThinkingStubEngine:
+class ThinkingStubEngine(Engine):
     """Answers every row with a known number of thinking and answer tokens (row index based)."""
 
     model_name = "stub"

@@ -20,7 +20,7 @@ from anex_pipeline.orchestration.inboxes import S3InboxSettings, bucket_arrivals
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.storage import OutputNotWritable, localize_input, publish, unsafe_key
 from anex_pipeline.workdir.manifest import JobDir, make_job_id
-from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, run_job, write_jsonl
 
 # Traversal pieces, absolute paths, separators, NUL, odd unicode and very long runs.
 PIECES = ["..", "../", "/", "./", "\\..\\", "\x00", "%2e%2e%2f", "~", "\u202e", "\u00e9", "\U0001f600", "a" * 300]

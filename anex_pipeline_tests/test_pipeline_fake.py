@@ -14,13 +14,14 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.base import Engine
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.stages.estimate import estimate_lengths
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine, shared_fake_engine
+from anex_pipeline.testing import fake_engine, shared_fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 
 def test_jsonl_chat_job_keeps_order_and_exact_envelopes(tmp_path: Path, fake_runner: JobRunner) -> None:
@@ -204,7 +205,7 @@ def slow_engine(config, manifest):  # type: ignore[no-untyped-def]
     """The fake engine, taking 0.5 s per call, so that a time limit falls in the middle of a job."""
     engine = shared_fake_engine(manifest.model_name)
 
-    class Slow:
+    class Slow(Engine):
         model_name = engine.model_name
 
         def run(self, requests):  # type: ignore[no-untyped-def]

@@ -23,11 +23,11 @@ from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage
 
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
+from anex_pipeline.testing import fake_engine
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
 
-DEPLOY_DAGSTER_YAML = Path(__file__).resolve().parents[1] / "deploy" / "dagster.yaml"
+DEPLOY_DAGSTER_YAML = REPO / "deploy" / "dagster.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,7 @@ def dagster_home(tmp_path: Path, postgres: Server, database: str, monkeypatch: p
     return home
 
 
+@pytest.mark.postgres
 def test_a_job_runs_on_the_production_instance_and_lands_in_postgres(
     tmp_path: Path, dagster_home: Path, postgres: Server, database: str
 ) -> None:

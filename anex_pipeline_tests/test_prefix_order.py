@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from anex_pipeline import testing
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.prefix_order import PrefixCache, ordered, prefix_order, shared_blocks
-from anex_pipeline_tests import fakes
-from anex_pipeline_tests.conftest import read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 SMALL = PrefixCache(block_tokens=4, capacity_tokens=8)
 DOCS, QUESTIONS = 6, 3
@@ -74,7 +74,7 @@ def test_rows_are_ordered_window_by_window_and_stops_are_checked() -> None:
     assert len(checks) == 2  # once per window (every 256 rows)
 
 
-class PrefixFakeEngine(fakes.FakeEngine):
+class PrefixFakeEngine(testing.FakeEngine):
     """The fake engine with a prefix cache: a token is a word of the row's conversation."""
 
     prefix_cache = SMALL
@@ -116,7 +116,7 @@ def test_engine_sees_rows_grouped_by_document_and_result_keeps_input_order(
     fake_runner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_file_order: bool
 ) -> None:
     engine = PrefixFakeEngine()
-    monkeypatch.setitem(fakes._fake, DEFAULT_CHAT_MODEL, engine)
+    monkeypatch.setitem(testing._fake, DEFAULT_CHAT_MODEL, engine)
     rows = _question_major_rows()
     src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
 
@@ -141,7 +141,7 @@ def test_a_parquet_job_in_prefix_order_keeps_input_order(
     fake_runner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = PrefixFakeEngine()
-    monkeypatch.setitem(fakes._fake, DEFAULT_CHAT_MODEL, engine)
+    monkeypatch.setitem(testing._fake, DEFAULT_CHAT_MODEL, engine)
     rows = _question_major_rows()
     prompts = [row["body"]["messages"][1]["content"] for row in rows]
     pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")

@@ -12,13 +12,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
+from anex_pipeline.testing import FakeEngine, fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
 
 class DyingEngine(FakeEngine):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 
 def test_a_result_without_rows_is_not_published(tmp_path: Path, fake_runner: JobRunner) -> None:

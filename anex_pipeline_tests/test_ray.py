@@ -1,11 +1,11 @@
 """Jobs whose steps run on a real Ray cluster (``ANEX_EXECUTOR=ray``), driven by a real
 ``dagster-daemon`` on a PostgreSQL-backed instance (deploy/ray/dagster.yaml as it is).
 
-The cluster (``ray_cluster.py``) is a head with no CPUs and three worker nodes, each a
+The cluster (``harness/ray_cluster.py``) is a head with no CPUs and three worker nodes, each a
 ``ray start`` in its own PID and UTS namespace with its own hostname and one logical GPU, so that
 one SIGKILL takes a node down and SIGSTOP freezes all of it. Every job is a file dropped into the
 local inbox: ``local_inbox`` submits it, ``job_driver`` runs its steps, each one a Ray job. The
-engine is the slow recording stand-in of ``ray_location.py`` (0.2 s a row, each generated row
+engine is the slow recording stand-in of ``harness/ray_location.py`` (0.2 s a row, each generated row
 logged with the host that generated it).
 """
 
@@ -30,12 +30,12 @@ import pytest
 
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
-from anex_pipeline_tests.ray_cluster import RayCluster, ray_cluster, wait_for
-from anex_pipeline_tests.ray_location import read_log
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
+from anex_pipeline_tests.harness.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
+from anex_pipeline_tests.harness.ray_cluster import RayCluster, ray_cluster, wait_for
+from anex_pipeline_tests.harness.ray_location import read_log
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.ray, pytest.mark.postgres, pytest.mark.daemon, pytest.mark.subprocess]
 JOB_TIMEOUT_S = 600.0  # a busy 2-core machine; a quiet one takes a fraction
 CHECKPOINT_ROWS = 5
 
@@ -152,7 +152,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     shutil.copyfile(REPO / "deploy" / "ray" / "dagster.yaml", home / "dagster.yaml")
     workspace = root / "workspace.yaml"
     workspace.write_text(
-        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.ray_location\n"
+        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.harness.ray_location\n"
         f"      attribute: defs\n      working_directory: {REPO}\n      executable_path: {sys.executable}\n"
     )
     for postgres in _postgres():

@@ -23,8 +23,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from anex_pipeline.cli import main
-from anex_pipeline.formats import jsonl
+from anex_pipeline.formats import jsonl_input
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import Problem
+from anex_pipeline.stages.submit import MAX_REPORTED_PROBLEMS, Problems
 
 CHAT_URL = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Say hello in French."}]
@@ -902,7 +904,7 @@ def write_case(c: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tupl
         opts.write_bytes(c.options if isinstance(c.options, bytes) else json.dumps(c.options).encode())
         args += ["--options", str(opts)]
     if c.max_line_bytes is not None:
-        monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", c.max_line_bytes)
+        monkeypatch.setattr(jsonl_input, "MAX_LINE_BYTES", c.max_line_bytes)
     return src, args
 
 
@@ -1068,16 +1070,29 @@ def test_more_than_twenty_bad_lines_are_all_named(
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("command", ["validate", "run"])
 def test_thousands_of_bad_lines_are_counted_and_the_first_ones_named(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
     src = tmp_path / "in.jsonl"
     bad = many_bad_lines(src, 5000)
-    assert main(["validate", str(src)]) == 2
+    argv = [command, str(src)] + (["-o", str(tmp_path / "out.jsonl"), "--quiet"] if command == "run" else [])
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"job rejected: {len(bad)} problem(s)" in err
     assert all(names_line(err, n) for n in bad[:20]), err
     assert re.search(r"\.\.\. and \d+ more", err), err
+
+
+def test_a_check_counts_every_problem_and_keeps_the_first_thousand() -> None:
+    assert not Problems()
+    problems = Problems([Problem("the model is not here", field="model")])
+    for line in range(2, 3001):
+        problems.add(Problem("not JSON", line=line))
+    rejected = problems.rejection()
+    assert rejected.total == 3000 and len(rejected.problems) == MAX_REPORTED_PROBLEMS
+    assert rejected.problems[0].field == "model" and rejected.problems[-1].line == MAX_REPORTED_PROBLEMS
+    assert "job rejected: 3000 problem(s)" in rejected.render()
 
 
 def test_unknown_parser_name_is_rejected_at_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

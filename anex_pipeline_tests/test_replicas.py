@@ -18,15 +18,16 @@ import httpx
 import pytest
 
 from anex_pipeline.cli import main
+from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.http.replicas import ServersDown, server_urls
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine, ServerUnavailable
 from anex_pipeline.engine.orphans import signal_child_group
-from anex_pipeline.engine.replicas import ServersDown, server_urls
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.conftest import chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.test_http_engine import FakeServer, request
-from anex_pipeline_tests.vllm_serve import Served, free_port, vllm_servers
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.openai_server import FakeServer, request
+from anex_pipeline_tests.harness.ports import free_port
+from anex_pipeline_tests.harness.vllm_serve import Served, vllm_servers
 
 
 @pytest.fixture
@@ -162,6 +163,7 @@ def finished_requests(url: str) -> int:
     return int(sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
 
 
+@pytest.mark.vllm_serve
 @pytest.mark.engine
 def test_two_replicas_share_a_job_and_killing_one_mid_job_loses_no_row(tmp_path: Path, replicas: list[Served]) -> None:
     kept, killed = replicas

@@ -8,13 +8,23 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest, resolve_request
-from anex_pipeline.engine.openai_http import request_body
+from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.structured import mark_completion
-from anex_pipeline.engine.vllm_local import VllmLocalEngine
+from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
-from anex_pipeline.request_fields import CHAT, COMPLETIONS, fields_of
-from anex_pipeline.spec import JobOptions, RowOutcome
+from anex_pipeline.request_fields import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    NON_SAMPLING_FIELDS,
+    PROMPT_FIELDS,
+    RESPONSES,
+    SAMPLING_FIELDS,
+    BodyField,
+    fields_of,
+    unknown_field,
+)
+from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
 from anex_pipeline.validate import check_body
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -63,11 +73,9 @@ APPLIED_ELSEWHERE = {
 }
 
 
-def local_engine() -> VllmLocalEngine:
-    """The in-process engine's request building, without a loaded model."""
-    engine = object.__new__(VllmLocalEngine)
-    engine.max_model_len, engine.defaults, engine.keep_special_tokens, engine.thinking = 2048, {}, False, None
-    return engine
+def local_sampler() -> Sampler:
+    """The in-process engine's sampling parameters, without a loaded model."""
+    return Sampler(max_model_len=2048, defaults={}, keep_special_tokens=False, thinking=None)
 
 
 def resolved(endpoint: str, **fields: Any) -> EngineRequest:
@@ -79,7 +87,7 @@ def resolved(endpoint: str, **fields: Any) -> EngineRequest:
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
 def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> None:
-    engine = local_engine()
+    sampler = local_sampler()
     logprobs = {"logprobs": True, "top_logprobs": 4} if endpoint == CHAT else {"logprobs": 4}
     accepted = set(fields_of(endpoint))
     # every field is either shown here to reach the sampler, or says where else it acts
@@ -88,15 +96,15 @@ def test_every_accepted_generation_field_reaches_both_engines(endpoint: str) -> 
         value, attribute, expected = SAMPLED[name]
         extra = {"temperature": 0.7} if name == "n" else {}
         req = resolved(endpoint, **{name: value}, **extra)
-        params = engine._sampling_params(req, prompt_len=5)
+        params = sampler.params(req, prompt_len=5)
         assert getattr(params, attribute) == expected, name
         sent = request_body(req, "m")
         assert sent["max_tokens" if attribute == "max_tokens" else name] == value, name
     req = resolved(endpoint, **logprobs)
-    assert engine._sampling_params(req, prompt_len=5).logprobs == 4
+    assert sampler.params(req, prompt_len=5).logprobs == 4
     assert {k: request_body(req, "m")[k] for k in logprobs} == logprobs
     req = resolved(endpoint, structured_outputs={"choice": ["yes", "no"]})
-    assert engine._sampling_params(req, prompt_len=5).structured_outputs.choice == ["yes", "no"]
+    assert sampler.params(req, prompt_len=5).structured_outputs.choice == ["yes", "no"]
     assert request_body(req, "m")["structured_outputs"] == {"choice": ["yes", "no"]}
 
 
@@ -130,3 +138,42 @@ def test_every_choice_is_checked_against_the_format(choices: list[dict[str, Any]
     marked = mark_completion(outcome, {"type": "json_object"}, "chat")
     assert marked.completion_flag == flag
     assert marked.format_error is (flag is not None)
+
+
+# -- the table itself ---------------------------------------------------------------------------
+
+
+def test_each_endpoint_takes_its_own_fields() -> None:
+    assert "messages" in fields_of(CHAT) and "messages" not in fields_of(COMPLETIONS)
+    assert "prompt" in fields_of(COMPLETIONS) and "dimensions" in fields_of(EMBEDDINGS)
+    assert "max_output_tokens" in fields_of(RESPONSES) and "max_tokens" not in fields_of(RESPONSES)
+    assert set(PROMPT_FIELDS) == {CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES}
+    assert SAMPLING_FIELDS.isdisjoint(NON_SAMPLING_FIELDS) and "temperature" in SAMPLING_FIELDS
+
+
+@pytest.mark.parametrize(
+    ("spec", "value", "says"),
+    [
+        (BodyField((float,), low=0, high=2), 2.5, "is 2.5; it must be at least 0 and at most 2"),
+        (BodyField((float,), low=0, high=1, low_open=True), 0, "is 0; it must be above 0 and at most 1"),
+        (BodyField((float,), low=0, low_open=True), -1, "is -1; it must be above 0"),
+        (BodyField((float,), high=2), 3, "is 3; it must be at most 2"),
+    ],
+)
+def test_a_number_out_of_its_range_says_the_range(spec: BodyField, value: float, says: str) -> None:
+    assert spec.out_of_range(value) == says
+
+
+def test_numbers_at_the_closed_ends_of_a_range_pass() -> None:
+    spec = BodyField((float,), low=0, high=1, low_open=True)
+    assert spec.out_of_range(1) is None and spec.out_of_range(0.001) is None
+    assert BodyField((float,)).out_of_range(-1e9) is None  # no range: anything finite
+
+
+def test_an_unknown_field_gets_the_nearest_name_or_where_it_belongs() -> None:
+    assert unknown_field("temprature", CHAT) == "unknown field; did you mean 'temperature'?"
+    assert unknown_field("zzzzzz", CHAT) == "unknown field; remove it"
+    elsewhere = unknown_field("dimensions", CHAT)
+    assert elsewhere.startswith("is not a field of chat requests (only of embeddings ones)")
+    # a responses row names chat's fields otherwise: the hint is the responses name
+    assert unknown_field("max_tokens", RESPONSES).endswith("did you mean 'max_output_tokens'?")

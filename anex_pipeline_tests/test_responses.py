@@ -15,14 +15,9 @@ from openai.types.responses import Response
 from anex_pipeline.responses import chat_body
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
-from anex_pipeline_tests.conftest import read_jsonl, write_jsonl
-from anex_pipeline_tests.fakes import shared_fake_engine
-from anex_pipeline_tests.test_media import MediaServer
-
-
-def responses_row(cid: str, given: Any, **body: Any) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": {"input": given, **body}}
-
+from anex_pipeline.testing import shared_fake_engine
+from anex_pipeline_tests.harness.jobs import read_jsonl, responses_row, write_jsonl
+from anex_pipeline_tests.harness.media import MediaServer
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 

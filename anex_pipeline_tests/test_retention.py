@@ -4,11 +4,9 @@ listing, deletion and expiry driven with the ``openai`` SDK against a served app
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,67 +14,17 @@ import dagster as dg
 import openai
 import pytest
 
-from anex_pipeline import cli
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
+from anex_pipeline.job_admin import parse_age, prune
 from anex_pipeline.orchestration.definitions import build_definitions
-from anex_pipeline.orchestration.partitions import JOBS, SHARDS
-from anex_pipeline.orchestration.retention import RetentionSettings
-from anex_pipeline.orchestration.runs import job_of_run
-from anex_pipeline.retention import parse_age, prune
+from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.test_batch_api import KEY_B, client, serving, slow_runner, submit, wait
-
-ASSETS = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
-DAY = 86400.0
-__all__ = ["slow_runner"]  # a fixture shared with the Batch API tests
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A Dagster home on disk and a work folder, as the installed command uses them, on the fake engine."""
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    monkeypatch.setenv("ANEX_ENGINE", "fake")  # the command's engine settings read it
-    yield tmp_path / "home"
-
-
-def anex(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli.main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_cli_job(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> tuple[str, Path]:
-    src = write_jsonl(tmp_path / f"{name}.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
-    out = tmp_path / f"{name}.results.jsonl"
-    code, report, err = anex(capsys, "run", str(src), "-o", str(out), "--shards", "2", "--quiet")
-    assert code == 0, err
-    return json.loads(report)["job_id"], out
-
-
-def partitions_of(instance: dg.DagsterInstance, job_id: str) -> dict[str, list[str]]:
-    """Every trace of a job in the instance: partition keys, materialized partitions, runs."""
-    found = {
-        "jobs": [k for k in instance.get_dynamic_partitions(JOBS) if k == job_id],
-        "job|shard": [k for k in instance.get_dynamic_partitions(SHARDS) if k.startswith(f"{job_id}|")],
-        "runs": [r.run_id for r in instance.get_runs() if job_of_run(r) == job_id],
-    }
-    for asset in ASSETS:
-        keys = instance.get_latest_storage_id_by_partition(
-            dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION
-        )
-        found[asset] = [k for k in keys if job_id in k]
-    return found
-
-
-def make_old(root: Path, age_s: float) -> None:
-    stamp = time.time() - age_s
-    for dirpath, _, filenames in os.walk(root):
-        for name in [*filenames, "."]:
-            os.utime(os.path.join(dirpath, name), (stamp, stamp))
+from anex_pipeline_tests.harness.batch_api import KEY_B, client, serving, submit, wait
+from anex_pipeline_tests.harness.cli_jobs import DAY, anex, make_old, partitions_of, run_cli_job
+from anex_pipeline_tests.harness.jobs import chat_row, run_job, write_jsonl
 
 
 def test_delete_removes_the_work_folder_and_every_partition_key_and_keeps_the_result(
@@ -134,6 +82,7 @@ def hold_lease(job: JobDir) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.subprocess
 def test_prune_removes_only_old_jobs_that_are_not_running(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

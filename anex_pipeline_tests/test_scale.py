@@ -22,11 +22,11 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobOptions, JobRejected
 from anex_pipeline.stages.submit import ROWS_PER_SHARD, TOKENS_PER_SHARD, shard_count
-from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.test_retention import anex, home  # noqa: F401  (a fixture)
-from anex_pipeline_tests.test_sensors import Deployment
-from anex_pipeline_tests.test_webserver import ADD_PARTITION, LOCATION_QUERY, serving, step_errors, wait_for_run
+from anex_pipeline.testing import fake_engine
+from anex_pipeline_tests.harness.cli_jobs import anex
+from anex_pipeline_tests.harness.deployment import Deployment
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.webserver import ADD_PARTITION, LOCATION_QUERY, serving, step_errors, wait_for_run
 
 PER_SHARD = ["fetched_media", "generations"]
 PER_JOB = ["validated_input", "length_estimate", "merged_result", "result_file"]
@@ -57,7 +57,7 @@ def test_shard_count_follows_the_rows_the_tokens_and_the_options() -> None:
 
 def test_forty_shards_complete_once_in_order_with_exactly_their_keys_and_delete_removes_them(
     tmp_path: Path,
-    home: Path,  # noqa: F811
+    home: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     src = write_jsonl(tmp_path / "big.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(400)])
@@ -169,6 +169,7 @@ query ($path: [String!]!) {
 """
 
 
+@pytest.mark.daemon
 def test_the_ui_shows_exactly_the_shards_a_job_has(tmp_path: Path) -> None:
     """Through a real webserver: a 3-shard job submitted from the launchpad shows 3 partitions of
     each per-shard asset and 1 of each job-level asset, with nothing counted missing beyond them."""

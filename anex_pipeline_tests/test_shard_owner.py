@@ -15,37 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.formats import arrow_checkpoint, jsonl_checkpoint
-from anex_pipeline.spec import RowOutcome
 from anex_pipeline.workdir.shard_owner import ShardOwner, ShardTakenOver
-from anex_pipeline_tests.fakes import FakeEngine
+from anex_pipeline_tests.harness.checkpoints import append, latest_answers, outcomes
+from anex_pipeline_tests.harness.jobs import REPO
 
 TAKEN_OVER = 3
-
-
-def outcomes(indices: range, said: str) -> list[RowOutcome]:
-    asked = [
-        EngineRequest(i, f"r{i}", f"req-{i}", "chat", {"messages": [{"role": "user", "content": f"{said} {i}"}]})
-        for i in indices
-    ]
-    return FakeEngine().run(asked)
-
-
-def append(path: Path, rows: list[RowOutcome], kind: str) -> None:
-    if kind == "arrow":
-        arrow_checkpoint.append(path, rows, "chat")
-    else:
-        jsonl_checkpoint.append_outcomes(path, rows)
-
-
-def latest_answers(path: Path, kind: str) -> dict[int, str]:
-    if kind == "arrow":
-        found: dict[int, str] = {}
-        for table in arrow_checkpoint.latest(path, "chat"):
-            found |= dict(zip(table.column("i").to_pylist(), table.column("value").to_pylist(), strict=True))
-        return found
-    return {i: o.body["choices"][0]["message"]["content"] for i, o in jsonl_checkpoint.read_outcomes(path).items()}
 
 
 WRITER = textwrap.dedent(
@@ -53,7 +27,7 @@ WRITER = textwrap.dedent(
     import sys
     from pathlib import Path
     from anex_pipeline.workdir.shard_owner import ShardOwner, ShardTakenOver
-    from anex_pipeline_tests.test_shard_owner import append, outcomes
+    from anex_pipeline_tests.harness.checkpoints import append, outcomes
 
     shard_dir, kind = Path(sys.argv[1]), sys.argv[2]
     owner = ShardOwner.claim(shard_dir, 0)
@@ -71,13 +45,13 @@ WRITER = textwrap.dedent(
 ).format(taken_over=TAKEN_OVER)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kind", ["jsonl", "arrow"])
 def test_a_frozen_writer_cannot_append_after_another_attempt_claimed_the_shard(tmp_path: Path, kind: str) -> None:
     shard_dir = tmp_path / "shards" / "00"
-    repo = Path(__file__).resolve().parents[1]
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(shard_dir), kind],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=repo,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     try:
         assert writer.stdout is not None and writer.stdin is not None

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from anex_pipeline.spec import JobOptions
-from anex_pipeline.stages.shard_plan import LEVEL_CHARS, plan_bounds, sharing_level
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline_tests.conftest import chat_row, write_jsonl
+from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, plan_bounds, sharing_level
+from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 
 def test_sharing_level_counts_the_equal_starts() -> None:

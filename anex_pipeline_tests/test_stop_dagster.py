@@ -9,13 +9,13 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from dagster_graphql import DagsterGraphQLClient
 
 from anex_pipeline.orchestration.partitions import job_shard_key
-from anex_pipeline.stopping import recorded_stop
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import REPO, chat_row, write_jsonl
-from anex_pipeline_tests.test_webserver import (
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, write_jsonl
+from anex_pipeline_tests.harness.webserver import (
     ADD_PARTITION,
     LOCATION_QUERY,
     Webserver,
@@ -40,10 +40,11 @@ def messages(ws: Webserver, run_id: str) -> list[str]:
     return [e.get("message") or "" for e in ws.graphql(RUN_EVENTS, runId=run_id)["logsForRun"]["events"]]
 
 
+@pytest.mark.daemon
 def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_path: Path) -> None:
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(
-        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.stepping\n"
+        "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.harness.stepping\n"
         f"      working_directory: {REPO}\n"
     )
     with serving(tmp_path, workspace, ANEX_FAKE_STEP_S="0.05") as ws:  # 400 rows take 20 s
@@ -79,5 +80,5 @@ def test_a_run_terminated_from_dagster_keeps_its_rows_and_is_not_retried(tmp_pat
         starts = [e["stepKey"] for e in events if e["__typename"] == "ExecutionStepStartEvent"]
     kept = [o.key for o in job.outcomes(0)]
     assert 0 < len(kept) < ROWS, "the finished rows were checkpointed, the rest not run"
-    assert "cancelled by the user" in (recorded_stop(job) or "")
+    assert "cancelled by the user" in (job.stop_reason() or "")
     assert starts.count("generations") == 1, "the terminated step was not retried"

@@ -19,18 +19,19 @@ import pytest
 
 from anex_pipeline import stopping
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.watchdog import EngineProcessDied
+from anex_pipeline.errors import EngineProcessDied, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.stages.generate import live_progress, run_shard
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.stopping import JobStopped, request_stop, stopping_on_signals
+from anex_pipeline.stopping import request_stop, stopping_on_signals
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.stepping import STEPPING, SteppingEngine, stepping
+from anex_pipeline_tests.harness.jobs import chat_row, local_instance, write_jsonl
+from anex_pipeline_tests.harness.stepping import STEPPING, StepGate, SteppingEngine, stepping
 
 ROWS = 40
 
@@ -92,6 +93,26 @@ def test_the_time_limit_stops_the_job_at_an_engine_step(tmp_path: Path) -> None:
     assert "time limit" in json.loads(job.stop_path.read_text())["reason"]
 
 
+def test_a_torn_stop_file_stops_the_job_and_the_report_says_it_was_asked_to_stop(tmp_path: Path) -> None:
+    job = new_job(tmp_path, checkpoint_rows=1)
+    engine = SteppingEngine()
+    assert job.stop_reason() is None and job.report() is None
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        if done == 3:
+            job.stop_path.write_text('{"reason": "cancelled by')  # cut short by a writer that died
+
+    with pytest.raises(JobStopped, match="asked to stop"):
+        run_shard(job, 0, lambda: engine, progress=progress)
+    report = merge_job(job)
+    assert report.status == "stopped_early" and report.failure_reason == "the job was asked to stop"
+    assert report.request_counts.completed == len(checkpointed(job)) > 0
+    assert job.report() == report
+    job.report_path.write_text(job.report_path.read_text()[:40])
+    with pytest.raises(ValueError):
+        job.report()
+
+
 def test_a_signal_asks_the_job_to_stop_and_says_a_second_one_quits(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -123,18 +144,18 @@ def test_an_engine_death_that_comes_with_a_stop_is_the_stop(tmp_path: Path, monk
 
 def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(ROWS)])
-    engine = stepping[0] = SteppingEngine(step_s=0.01)
+    gate = StepGate()
+    stepping[0] = SteppingEngine(gate=gate)
     with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         job = runner.submit(str(src), str(tmp_path / "out.jsonl"), {"max_tokens": 8, "shards": 2})
 
-        def cancel_soon() -> None:
-            deadline = time.monotonic() + 30
-            while engine.steps < 3 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            request_stop(job, "cancelled in the test")
+        def cancel_after_three_rows() -> None:
+            gate.release(3)
+            gate.wait_taken(3)
+            request_stop(job, "cancelled in the test")  # the engine waits for a fourth step meanwhile
 
-        threading.Thread(target=cancel_soon, daemon=True).start()
+        threading.Thread(target=cancel_after_three_rows, daemon=True).start()
         report = runner.run(job)
         runner.close()
         runs = instance.get_runs(dg.RunsFilter(job_name="shard_job"))
@@ -142,24 +163,26 @@ def test_a_stopped_shard_is_not_retried_and_the_report_says_why(tmp_path: Path) 
             e.step_key for run in runs for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
         ]
     assert report.status == "stopped_early" and report.failure_reason == "cancelled in the test"
-    assert 3 <= report.request_counts.completed < ROWS // 2
+    assert report.request_counts.completed == 3
     assert len(runs) == 1, "the second shard did not start"
     assert starts.count("generations") == 1, "the stopped step was not retried"
 
 
 def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: Path) -> None:
-    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait, wait_for_rows
+    from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait, wait_for_rows
 
     rows = 60
-    engine = stepping[0] = SteppingEngine(step_s=0.05)  # 3 s for the batch; default checkpoint_rows
+    gate = StepGate()
+    engine = stepping[0] = SteppingEngine(gate=gate)  # default checkpoint_rows
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(rows)])
     with local_instance() as instance:
         runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine(STEPPING))
         with serving(runner) as url:
             sdk = client(url)
             batch = submit(sdk, src, {"max_tokens": 8})
+            gate.release(5)
             wait_for_rows(sdk, batch.id, 5)  # counts follow the rows before any checkpoint is written
-            sdk.batches.cancel(batch.id)
+            sdk.batches.cancel(batch.id)  # while the engine waits for its sixth step
             asked = time.monotonic()
             batch = wait(sdk, batch.id, timeout=20)
             took = time.monotonic() - asked
@@ -168,14 +191,14 @@ def test_a_batch_api_cancel_stops_at_once_and_answers_every_unrun_row(tmp_path: 
     assert engine.steps < rows and engine.aborted
     counts = batch.request_counts
     assert counts is not None and (counts.total, counts.completed, counts.failed) == (rows, len(output), len(errors))
-    assert 5 <= len(output) < rows and len(output) + len(errors) == rows
+    assert len(output) == 5 and len(output) + len(errors) == rows
     assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(len(output))]
     assert [r["custom_id"] for r in errors] == [f"r{i}" for i in range(len(output), rows)], "input order"
     assert {r["error"]["code"] for r in errors} == {"batch_cancelled"} and all(r["response"] is None for r in errors)
 
 
 def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anex_pipeline_tests.test_batch_api import client, content, serving, submit, wait
+    from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait
 
     rows = 30
     stepping[0] = SteppingEngine(step_s=0.02)
@@ -200,8 +223,8 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
 
 
 def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_in_flight() -> None:
-    from anex_pipeline.engine.openai_http import HttpSettings, OpenAIHttpEngine
-    from anex_pipeline_tests.test_http_engine import FakeServer
+    from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
+    from anex_pipeline_tests.harness.openai_server import FakeServer
 
     server = FakeServer()
     engine = OpenAIHttpEngine(HttpSettings(base_url=server.url, model_name="served-model", max_concurrency=4))
@@ -250,6 +273,7 @@ def test_a_signal_outside_generation_still_ends_in_a_report(tmp_path: Path, monk
     assert stepping[0].steps == 0
 
 
+@pytest.mark.subprocess
 def test_a_second_signal_quits_at_once(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys, time\n"

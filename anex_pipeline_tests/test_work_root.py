@@ -20,24 +20,22 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.store import Store
+from anex_pipeline.job_admin import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.orchestration.retention import RetentionSettings
-from anex_pipeline.retention import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, take_lease, try_lease
 from anex_pipeline.workdir.manifest import JobDir
-from anex_pipeline_tests.conftest import REPO, chat_row, local_instance, write_jsonl
-from anex_pipeline_tests.fake_cli import SLOW_FAKE
-from anex_pipeline_tests.fakes import fake_engine
-from anex_pipeline_tests.test_batch_api import client, serving, submit, wait_for_rows
-from anex_pipeline_tests.test_retention import DAY, anex, home, make_old, partitions_of, run_cli_job
-
-__all__ = ["home"]  # a fixture shared with the retention tests
+from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait_for_rows
+from anex_pipeline_tests.harness.cli_jobs import DAY, anex, make_old, partitions_of, run_cli_job
+from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, write_jsonl
 
 # The installed command's own entry point (``anex-pipeline``), in a process of its own.
 COMMAND = [sys.executable, "-m", "anex_pipeline.cli"]
@@ -83,6 +81,7 @@ def other_data(work: Path) -> dict[str, Path]:
     return made
 
 
+@pytest.mark.subprocess
 def test_delete_refuses_every_folder_that_is_not_a_job(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -162,6 +161,7 @@ def test_on_a_work_root_of_other_data_prune_and_its_schedule_touch_only_jobs(
     assert all(path.is_file() for path in data.values())
 
 
+@pytest.mark.subprocess
 def test_bad_job_folders_are_skipped_and_reported_and_the_rest_go_on(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,6 +222,7 @@ def test_ages_of_jobs_seconds_old_are_never_negative() -> None:
     assert entry.as_json(at)["age_s"] == 0.0
 
 
+@pytest.mark.subprocess
 def test_an_output_or_report_inside_the_work_root_is_refused_at_submit(tmp_path: Path) -> None:
     work = tmp_path / "work"
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
@@ -254,6 +255,7 @@ def test_a_refused_job_leaves_no_folder_in_the_work_root(tmp_path: Path, fake_ru
     assert fake_runner._leases == {}  # no lease kept for a job nobody drives
 
 
+@pytest.mark.subprocess
 def test_delete_refuses_the_job_of_an_unfinished_batch_after_serve_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,6 +356,7 @@ def test_a_lease_taken_while_the_job_is_deleted_is_on_the_new_folder(tmp_path: P
     lease.close()  # type: ignore[attr-defined]
 
 
+@pytest.mark.subprocess
 def test_a_closed_stdout_ends_list_without_a_traceback(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -379,7 +382,7 @@ def slow_exit(tmp_path: Path) -> Iterator[list[str]]:
         "    print('exiting', file=sys.stderr, flush=True)\n"
         "    time.sleep(20)\n"
         "atexit.register(slow)\n"
-        "import anex_pipeline_tests.fake_cli\n"
+        "import anex_pipeline_tests.harness.fake_cli\n"
         "from anex_pipeline.cli import entry\n"
         "entry()\n",
     ]
@@ -397,6 +400,7 @@ def _wait_line(stream: object, wanted: str, timeout: float = 60) -> list[str]:
     raise AssertionError(f"no {wanted!r} within {timeout} s: {lines}")
 
 
+@pytest.mark.subprocess
 def test_a_double_ctrl_c_prints_no_traceback(tmp_path: Path, slow_exit: list[str]) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(40)])
     env = command_env(tmp_path, ANEX_ENGINE=SLOW_FAKE, ANEX_FAKE_ROW_DELAY_S="0.2")

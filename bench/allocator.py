@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from anex_pipeline.engine.cpu_environment import LIBRARIES, PRELOAD_ENV
+from anex_pipeline.engine.vllm.cpu_environment import LIBRARIES, PRELOAD_ENV
 from bench.vs_run_batch import make_input, output_tokens, run_ours
 
 SETTINGS = ["", "tcmalloc", "iomp", "tcmalloc,iomp"]

@@ -72,7 +72,7 @@ def plan(python: str, out: Path, gpus: int) -> list[Step]:
             [
                 python,
                 "-c",
-                "import sys, pathlib; from anex_pipeline_tests.tiny_models import build_tiny_model; "
+                "import sys, pathlib; from anex_pipeline_tests.harness.tiny_models import build_tiny_model; "
                 "build_tiny_model(pathlib.Path(sys.argv[1]))",
                 str(tiny),
             ],

@@ -44,17 +44,17 @@ from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializa
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
 
-from anex_pipeline.cli.commands import NEW_HOME_SETTINGS
+from anex_pipeline.instance import NEW_HOME_SETTINGS
+from anex_pipeline.job_admin import prune
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_partitions, shard_keys, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.orchestration.runs import PARTITION_TAG
-from anex_pipeline.retention import prune
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
+from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir.manifest import JobManifest, ShardRange
-from anex_pipeline_tests.conftest import chat_row
-from anex_pipeline_tests.fakes import fake_engine
+from anex_pipeline_tests.harness.jobs import chat_row
 
 ROWS_PER_SHARD = 10
 STAGES = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
@@ -230,7 +230,7 @@ def instance_on(backend: str, base: Path) -> Iterator[dg.DagsterInstance]:
         with dg.DagsterInstance.from_config(str(home)) as instance:
             yield instance
         return
-    from anex_pipeline_tests.postgres_server import create_database, postgres_bin_dir, running_postgres
+    from anex_pipeline_tests.harness.postgres_server import create_database, postgres_bin_dir, running_postgres
 
     bin_dir = postgres_bin_dir()
     if bin_dir is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from anex_pipeline.engine.engine_args import canonical, cli_flags, engine_kwargs, parse_engine_arg
 from anex_pipeline.engine.machine_server import cpu_build
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
-from anex_pipeline.engine.vllm_local import EngineSettings
+from anex_pipeline.engine.vllm.engine import EngineSettings
 
 SYSTEMS = [
     "You are a concise assistant.",

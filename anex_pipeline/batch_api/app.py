@@ -27,7 +27,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from anex_pipeline import metrics
-from anex_pipeline.batch_api.objects import (
+from anex_pipeline.batch_api.requests import ServedModels, batch_options, upload_expiry
+from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
+from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
+from anex_pipeline.batches.objects import (
     ApiError,
     BatchRecord,
     CreateBatch,
@@ -36,12 +39,9 @@ from anex_pipeline.batch_api.objects import (
     not_found,
     now,
 )
-from anex_pipeline.batch_api.requests import ServedModels, batch_options, upload_expiry
-from anex_pipeline.batch_api.store import Store, key_hash
-from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
-from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
+from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
-from anex_pipeline.retention import forget_file
+from anex_pipeline.job_admin import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
     INVALID_JSON,

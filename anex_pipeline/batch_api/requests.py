@@ -1,7 +1,7 @@
 """What a Batch API request asks for, checked: a batch's job options (from ``metadata.anex_options``
 and the ``anex_options`` body field, within the service's size limits, its models and its media
 policy), its metadata, and an upload's expiry. Each refusal is an
-:class:`~anex_pipeline.batch_api.objects.ApiError` naming the parameter."""
+:class:`~anex_pipeline.batches.objects.ApiError` naming the parameter."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from anex_pipeline.batch_api.objects import (
+from anex_pipeline.batches.objects import (
     MAX_EXPIRY_S,
     ApiError,
     CreateBatch,

@@ -32,21 +32,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from anex_pipeline import metrics
-from anex_pipeline.batch_api.objects import new_id, now
 from anex_pipeline.media.guard import guarded_client, refusal
 
 if TYPE_CHECKING:
-    from anex_pipeline.batch_api.store import Store
+    from anex_pipeline.batches.store import Store
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
 SECRET_PREFIX = "whsec_"
-EVENT_TYPES = {
-    "completed": "batch.completed",
-    "failed": "batch.failed",
-    "cancelled": "batch.cancelled",
-    "expired": "batch.expired",
-}
 RETRY_FIRST_S = 1.0  # the delay before the first retry; each further one doubles it
 RETRY_MOST_S = 600.0  # the longest delay between two tries
 GIVE_UP_S = 3 * 24 * 3600  # an event not delivered this long after it was made is dropped (OpenAI's 72 h)
@@ -96,17 +89,6 @@ def sign(key: bytes, event_id: str, timestamp: int, body: bytes) -> str:
     """The ``webhook-signature`` header of one delivery."""
     mac = hmac.new(key, f"{event_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
     return "v1," + base64.b64encode(mac).decode()
-
-
-def batch_event(batch_id: str, status: str) -> dict[str, Any]:
-    """The event a batch that ended with ``status`` sends, with the fields of OpenAI's."""
-    return {
-        "id": new_id("evt_"),
-        "object": "event",
-        "type": EVENT_TYPES[status],
-        "created_at": now(),
-        "data": {"id": batch_id},
-    }
 
 
 class WebhookSender:

@@ -29,18 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.batch_api.objects import BatchError, BatchRecord, now
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.objects import BatchError, BatchRecord, now
+from anex_pipeline.batches.store import Store
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
-from anex_pipeline.errors import AnexError, RowErrorType
+from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
+from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobRejected, JobReport, RequestCounts, RowError, Usage
+from anex_pipeline.spec import JobRejected, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
 from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
-from anex_pipeline.stopping import JobStopped, clear_stop, engine_loading, on_stop_signals, request_stop
-from anex_pipeline.workdir.manifest import JobDir, JobManifest
+from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
+from anex_pipeline.workdir.manifest import JobDir, JobManifest, read_report
 
 log = logging.getLogger("anex_pipeline.batch_api")
 
@@ -175,8 +176,7 @@ class BatchWorker:
         report_file = job.report_path
         if not job.exists():  # removed by a prune: the published report (beside the result) stays
             report_file = Path(default_report_path(str(self.store.output_path(record.id))))
-        if record.finished and report_file.exists():
-            report = JobReport.model_validate_json(report_file.read_text())
+        if record.finished and (report := read_report(report_file)) is not None:
             counts = report.request_counts.model_copy()
             if _unrun_code(record) is not None:  # the rows that never ran are in the error file
                 counts.failed = counts.total - counts.completed
@@ -339,8 +339,7 @@ class BatchWorker:
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:
         """Splits the result into the output and error files and sets the final status."""
-        report_file = job.report_path
-        report = JobReport.model_validate_json(report_file.read_text()) if report_file.exists() else None
+        report = job.report()
         if record.cancelling_at is not None:
             ended, unrun = "cancelled_at", "batch_cancelled"
         elif report is not None and report.status == "completed":
@@ -364,7 +363,7 @@ class BatchWorker:
         out_path = self.store.scratch(f"{record.id}_output.jsonl")
         err_path = self.store.scratch(f"{record.id}_error.jsonl")
         rows = {"output_file_id": 0, "error_file_id": 0}
-        with out_path.open("w", encoding="utf-8") as out, err_path.open("w", encoding="utf-8") as err:
+        with out_path.open("wb") as out, err_path.open("wb") as err:
             for line, failed in _result_lines(job, unrun):
                 (err if failed else out).write(line)
                 rows["error_file_id" if failed else "output_file_id"] += 1
@@ -417,10 +416,10 @@ def _unrun_code(record: BatchRecord) -> str | None:
     return "batch_expired" if record.expired_at is not None else None
 
 
-def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
+def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[bytes, bool]]:
     """The job's result lines, each with whether it is an error. With ``unrun``, a row that never
     ran gets an error line with that code, in its place in input order."""
-    with result_path(job).open(encoding="utf-8") as src:
+    with result_path(job).open("rb") as src:
         if unrun is None:
             for line in src:
                 yield line, json.loads(line)["error"] is not None
@@ -433,5 +432,4 @@ def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[str, bool]]:
                     line = next(src)
                     yield line, json.loads(line)["error"] is not None
                 else:
-                    line = {"id": f"batch_req_{row.key}", "custom_id": row.key, "response": None, "error": error}
-                    yield json.dumps(line) + "\n", True
+                    yield unanswered_line(row.key, error), True

@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -18,78 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline import settings
 from anex_pipeline.cli.parser import UsageError, _media_policy, collect_options, engine_args_of
 from anex_pipeline.errors import AnexError, ExitCode
-
-LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
-
-
-# The steps of a command write straight to its terminal. Dagster's default capture of step output
-# copies it to the terminal through helper processes (tail and a Python watcher) in the terminal's
-# process group: a Ctrl-C would kill them, printing a KeyboardInterrupt traceback and losing every
-# line the step writes after it (the notice that the job is stopping included).
-TERMINAL_OUTPUT = {
-    "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}
-}
-
-
-# The dagster.yaml written into a new Dagster home: SQLite storage in the home, with the run events
-# in one database file. Dagster's default gives each run a database file of its own, created (a
-# dozen tables) as the run starts, and writes every event of every run under one lock of the
-# process: a Batch API service running several batches at once spent seconds a batch waiting there.
-NEW_HOME_SETTINGS = """\
-# Written by anex-pipeline for a new Dagster home: SQLite storage in this folder, every run's
-# events in one file (event_log.db) rather than one file per run.
-telemetry:
-  enabled: false
-event_log_storage:
-  module: dagster._core.storage.event_log
-  class: ConsolidatedSqliteEventLogStorage
-  config:
-    base_dir:
-      env: DAGSTER_HOME
-"""
-
-
-def _instance() -> Any:
-    """The Dagster instance of $DAGSTER_HOME (default: under the cache folder). Loading it creates
-    its SQLite storage on first use; that happens under a lock on the home, because commands
-    started together on a new home would otherwise create the same tables twice and can leave
-    the storage unusable for good."""
-    import fcntl
-    import sqlite3
-
-    import dagster as dg
-    from dagster._core.instance.ref import InstanceRef
-    from sqlalchemy.exc import DBAPIError
-
-    from anex_pipeline.engine.models import cache_root
-
-    home = Path(os.environ.get("DAGSTER_HOME") or cache_root() / "dagster_home")
-    os.environ["DAGSTER_HOME"] = str(home)
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        with (home / ".instance.lock").open("ab") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
-            settings = home / "dagster.yaml"
-            if not settings.exists():  # without one Dagster prints a warning and a telemetry banner
-                settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")
-            return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), overrides=TERMINAL_OUTPUT))
-    except (OSError, sqlite3.Error, DBAPIError) as exc:
-        raise UsageError(
-            f"{_storage_failure(exc)}; make room there (or make it writable), or set DAGSTER_HOME to another folder"
-        ) from None
-
-
-def _storage_failure(exc: Exception) -> str:
-    """What went wrong writing the Dagster home (its SQLite storage, say), in a few words."""
-    home = os.environ["DAGSTER_HOME"]
-    cause = getattr(exc, "strerror", None) or getattr(exc, "orig", None) or exc
-    try:
-        full = "; no space left on its disk" if shutil.disk_usage(home).free < LOW_SPACE_BYTES else ""
-    except OSError:  # the home itself could not be made
-        full = ""
-    return f"cannot write the Dagster run history in {home}: {cause}{full}"
+from anex_pipeline.instance import dagster_instance, storage_failure
 
 
 def _progress_logging(quiet: bool) -> None:
@@ -108,8 +39,9 @@ def _progress_logging(quiet: bool) -> None:
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
     from anex_pipeline.engine.config import EngineConfig
+    from anex_pipeline.paths import default_work_root
     from anex_pipeline.runner import JobRunner
-    from anex_pipeline.storage import StorageConfig, default_work_root
+    from anex_pipeline.storage import StorageConfig
     from anex_pipeline.workdir import layout
 
     # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
@@ -124,7 +56,7 @@ def _runner(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         memory_share=args.memory_share,
         base_url=_base_url(args.base_url),
-        api_key=args.api_key or os.environ.get("ANEX_API_KEY"),
+        api_key=args.api_key or settings.API_KEY.get() or None,
         max_concurrency=args.max_concurrency,
         **({"engine_args": given} if given is not None else {}),
     )
@@ -138,12 +70,12 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / layout.LOGS_DIR / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    return JobRunner(_instance(), storage, engine)
+    return JobRunner(dagster_instance(), storage, engine)
 
 
 def _base_url(given: list[str] | None) -> str | None:
     """The servers of ``--base-url`` (repeated or comma-separated) as one comma-separated list."""
-    from anex_pipeline.engine.replicas import server_urls
+    from anex_pipeline.engine.http.replicas import server_urls
 
     try:
         return ",".join(server_urls(given)) or None
@@ -278,7 +210,7 @@ def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
         )
         return ExitCode.STOPPED
     except (sqlite3.Error, DBAPIError) as exc:  # the instance's storage, e.g. SQLite on a full disk
-        print(f"error: {_storage_failure(exc)}; {resume}", file=sys.stderr)
+        print(f"error: {storage_failure(exc)}; {resume}", file=sys.stderr)
         return ExitCode.STOPPED
     finally:
         close_progress()
@@ -288,13 +220,14 @@ def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
 
 def _finish(ran: _Ran, wall_s: float, as_json: bool) -> int:
     from anex_pipeline.console import summary_lines
+    from anex_pipeline.formats.registry import FORMATS
     from anex_pipeline.workdir.timing import read_timings
 
     report, manifest = ran.report, ran.job.manifest()
     if as_json:
         print(report.model_dump_json(indent=2))
     spent = {stage: s - ran.timings_before.get(stage, 0.0) for stage, s in read_timings(ran.job).items()}
-    for line in summary_lines(report, manifest.report, manifest.format, spent, wall_s):
+    for line in summary_lines(report, manifest.report, FORMATS[manifest.format].error_field, spent, wall_s):
         print(line, file=sys.stderr)
     counts = report.request_counts
     if report.status == "completed" and counts.total and not counts.completed:
@@ -322,24 +255,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
     from anex_pipeline.spec import JobRejected, Problem
-    from anex_pipeline.stages.submit import check_input, model_problems
+    from anex_pipeline.stages.submit import Problems, check_input, model_problems
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
-    problems = [] if os.environ.get("ANEX_ENGINE_BASE_URL") else model_problems(options.model)
-    count, problem_count = 0, len(problems)
+    problems = Problems([] if settings.ENGINE_BASE_URL.get() else model_problems(options.model))
+    count = 0
     for item in rows:
         if isinstance(item, Problem):
-            problem_count += 1
-            if len(problems) < 1000:  # keep memory bounded on a file where every line is wrong
-                problems.append(item)
+            problems.add(item)
         else:
             count += 1
     if problems:
-        raise JobRejected(problems, total=problem_count)
+        raise problems.rejection()
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
-    print(f"ok: {count} rows, {kind}, {endpoint} endpoint")
+    print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")
     return ExitCode.OK
 
 
@@ -367,8 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot read keys file {args.keys_file}: {exc.strerror}") from None
         keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    elif os.environ.get("ANEX_BATCH_API_KEYS"):
-        keys = [k.strip() for k in os.environ["ANEX_BATCH_API_KEYS"].split(",") if k.strip()]
+    elif settings.BATCH_API_KEYS.get():
+        keys = [k.strip() for k in settings.BATCH_API_KEYS.get().split(",") if k.strip()]
     media = _media_policy(args)
     if args.max_running_batches < 1:
         raise UsageError(f"--max-running-batches must be at least 1, got {args.max_running_batches}")
@@ -402,20 +333,20 @@ def _webhook(args: argparse.Namespace) -> Any:
     """The webhook of ``serve`` (flags first, then the environment), checked; None without a URL."""
     from anex_pipeline.batch_api.webhooks import WebhookSettings
 
-    url = args.webhook_url or os.environ.get("ANEX_WEBHOOK_URL")
-    secret = args.webhook_secret or os.environ.get("ANEX_WEBHOOK_SECRET")
+    url = args.webhook_url or settings.WEBHOOK_URL.get() or None
+    secret = args.webhook_secret or settings.WEBHOOK_SECRET.get() or None
     if not url:
         if secret or args.webhook_allowed_host:
             raise UsageError("--webhook-secret and --webhook-allowed-host need --webhook-url (or ANEX_WEBHOOK_URL)")
         return None
     if not secret:
         raise UsageError("--webhook-url needs --webhook-secret (or ANEX_WEBHOOK_SECRET): whsec_ followed by base64")
-    settings = WebhookSettings(url, secret, tuple(args.webhook_allowed_host or ()))
+    webhook = WebhookSettings(url, secret, tuple(args.webhook_allowed_host or ()))
     try:
-        settings.check()
+        webhook.check()
     except ValueError as exc:
         raise UsageError(f"--webhook-url/--webhook-secret: {exc}") from None
-    return settings
+    return webhook
 
 
 class _Signalled(Exception):
@@ -443,7 +374,7 @@ def _ending_on_signals() -> Iterator[None]:
 
 
 def _work_root(args: argparse.Namespace) -> Path:
-    from anex_pipeline.storage import default_work_root
+    from anex_pipeline.paths import default_work_root
 
     return Path(args.work_dir or default_work_root()).expanduser()
 
@@ -453,10 +384,10 @@ def _print_skipped(skipped: Any) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from anex_pipeline.retention import list_jobs, table
+    from anex_pipeline.job_admin import list_jobs, table
 
     at = time.time()
-    entries = list_jobs(_instance(), _work_root(args), on_skip=_print_skipped)
+    entries = list_jobs(dagster_instance(), _work_root(args), on_skip=_print_skipped)
     if args.json:
         print(json.dumps([e.as_json(at) for e in entries], indent=2))
     elif entries:
@@ -467,26 +398,26 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from anex_pipeline.retention import delete_job
+    from anex_pipeline.job_admin import delete_job
     from anex_pipeline.workdir.manifest import JobDir
 
     try:
         job = JobDir(_work_root(args), args.job_id)
     except ValueError as exc:
         raise UsageError(f"{exc}; `anex-pipeline list` shows the jobs") from None
-    delete_job(_instance(), job)  # refuses (exit 2) what is not a job, or is running
+    delete_job(dagster_instance(), job)  # refuses (exit 2) what is not a job, or is running
     print(f"deleted job {job.job_id}", file=sys.stderr)
     return ExitCode.OK
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from anex_pipeline.retention import parse_age, prune
+    from anex_pipeline.job_admin import parse_age, prune
 
     try:
         older_than = parse_age(args.older_than)
     except ValueError as exc:
         raise UsageError(f"--older-than: {exc}") from None
-    removed = prune(_instance(), _work_root(args), older_than, dry_run=args.dry_run, on_skip=_print_skipped)
+    removed = prune(dagster_instance(), _work_root(args), older_than, dry_run=args.dry_run, on_skip=_print_skipped)
     if args.json:
         print(json.dumps([r.as_json() for r in removed], indent=2))
     else:
@@ -498,9 +429,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_machine_server(args: argparse.Namespace) -> int:
-    from anex_pipeline.engine.machine_server import alive, read_state, state_dir, stop_server
+    from anex_pipeline.engine.machine_server import alive, read_state, stop_server
+    from anex_pipeline.paths import machine_server_dir
 
-    folder = state_dir()
+    folder = machine_server_dir()
     state = read_state(folder)
     running = state is not None and alive(state)
     if args.action == "stop" and state is not None:

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from anex_pipeline.engine import prefix_order
+from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
 from anex_pipeline.responses import as_response
-from anex_pipeline.spec import Endpoint, JobOptions, RowError, RowOutcome
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowError, RowOutcome
 
 
 @dataclass
@@ -62,20 +63,53 @@ class EngineRequest:
         return self.constraint_field is not None
 
 
-class Engine(Protocol):
-    """What the pipeline needs from a model runtime."""
-
-    model_name: str
-
-    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
-        """Generates (or embeds) every request; per-row problems come back as failed outcomes."""
-        ...
-
-
 # Called by an engine's ``stream`` once per engine step (each scheduler step, each finished HTTP
 # request, each group for an engine without steps); it raises to stop the stream, which then
 # aborts the rows still in flight. It must be cheap: see anex_pipeline.stopping.StopCheck.
 StopCheck = Callable[[], None]
+
+
+class Engine(ABC):
+    """What the pipeline needs from a model runtime: :meth:`run`, and the optional parts below,
+    whose defaults fit an engine that offers nothing more (it runs rows in groups, has no prefix
+    cache, holds nothing to release and never dies).
+
+    An engine becomes usable by jobs with one line, ``register_engine(kind, factory)`` in
+    :mod:`anex_pipeline.engine.loader`.
+    """
+
+    model_name: str
+    # Whether the engine can no longer be used (vLLM's engine process died): the loader shuts it
+    # down and loads a new one the next time it is asked for it.
+    dead: bool = False
+    # The engine's prefix cache, if it keeps computed prompt blocks: rows sharing a prompt prefix
+    # are then sent to it together (anex_pipeline.engine.prefix_order), by their prompt_tokens.
+    prefix_cache: PrefixCache | None = None
+
+    @abstractmethod
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        """Generates (or embeds) every request; per-row problems come back as failed outcomes."""
+
+    def stream(
+        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
+    ) -> Iterator[list[RowOutcome]]:
+        """Yields the requests' outcomes as they finish, calling ``stop`` once per engine step;
+        closing the generator drops the rows still in flight. By default, :meth:`run` over
+        ``group_rows`` requests at a time, with ``stop`` called before each group."""
+        return in_groups(self.run, iter(requests), group_rows, stop)
+
+    def prompt_tokens(self, request: EngineRequest) -> Sequence[int] | None:
+        """The tokens of the request's rendered prompt, for ordering rows by prefix; None when they
+        are not known (by default), which sends the row after the ordered ones."""
+        return None
+
+    def shutdown(self) -> None:
+        """Releases what the engine holds (its model, its connections); by default nothing."""
+        return None
+
+    def report_section(self) -> dict[str, Any]:
+        """The report's account of the engine (its ``engine`` section): by default its class and model."""
+        return {"kind": type(self).__name__, "model": self.model_name}
 
 
 def resolve_request(
@@ -146,15 +180,13 @@ def logprobs_asked(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
 
 def run_checked(engine: Engine, requests: Sequence[EngineRequest], stop: StopCheck | None = None) -> list[RowOutcome]:
     """Runs the requests and applies the after-generation checks (cap reached, format) to each;
-    ``stop`` is checked per engine step when the engine streams, else before it starts."""
+    ``stop`` is checked per engine step (before and after the run for an engine that keeps the
+    default :meth:`Engine.stream`)."""
     prompts = PromptParts()
     parts = list(prompts.split(requests))
-    stream = getattr(engine, "stream", None)
-    if stop is not None and stream is not None:
-        outcomes = collect(lambda reqs, rows: stream(reqs, rows, stop), parts)
+    if stop is not None:
+        outcomes = collect(lambda reqs, rows: engine.stream(reqs, rows, stop), parts)
     else:
-        if stop is not None:
-            stop()
         outcomes = engine.run(parts)
     joined = {o.index: o for o in prompts.join(outcomes)}
     return [checked(joined[r.index], r) for r in requests]
@@ -169,7 +201,7 @@ def stream_checked(
 ) -> Iterator[list[RowOutcome]]:
     """Runs the requests and yields their checked outcomes as they finish.
 
-    An engine with a ``stream`` method is kept busy (it pulls requests as it has room, about
+    An engine with a ``stream`` of its own is kept busy (it pulls requests as it has room, about
     ``group_rows`` of them at a time, so the batch never drains) and hands back the rows that
     each of its steps finished; any other engine runs ``group_rows`` rows at a time. ``stop`` is
     checked per engine step. Closing the generator early, or a stop, lets the engine drop the rows
@@ -193,10 +225,9 @@ def stream_checked(
         stop()  # a stop that came while the engine loaded
     prompts = PromptParts()  # a completions row of several prompts goes to the engine as one per prompt
     feed = prompts.split(recorded())
-    if order and getattr(engine, "prefix_cache", None) is not None:
-        feed = prefix_order.ordered(feed, engine, stop)  # type: ignore[arg-type]
-    stream = getattr(engine, "stream", None)
-    groups = stream(feed, group_rows, stop) if stream is not None else in_groups(engine.run, feed, group_rows, stop)
+    if order and engine.prefix_cache is not None:
+        feed = prefix_order.ordered(feed, engine, stop)
+    groups = engine.stream(feed, group_rows, stop)
     try:
         for group in groups:
             if rows := prompts.join(group):

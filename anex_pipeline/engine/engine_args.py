@@ -180,7 +180,7 @@ def canonical(args: dict[str, Any]) -> str:
 
 def engine_kwargs(settings: Any, on_cpu: bool) -> dict[str, Any]:
     """The engine arguments one engine is built with, for in-process engine settings
-    (``vllm_local.EngineSettings``): the pipeline's own, then the user's, which may override the
+    (``vllm.engine.EngineSettings``): the pipeline's own, then the user's, which may override the
     pipeline's defaults (``enforce_eager``, say). ``LLM(**kwargs)`` takes them as they are and the
     machine's model server as :func:`cli_flags`, so both load the same engine. An unset
     ``max_model_len`` is vLLM's auto-fit (-1): the model's context, or what the KV cache holds."""

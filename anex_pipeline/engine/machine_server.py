@@ -28,6 +28,11 @@ the state file, which counts as activity), when the server dies, or when it is t
 supervisor however it ends: ``vllm serve`` by a parent-death signal, vLLM's engine processes
 under it (which that signal does not reach) by an orphan guard of the supervisor's own. Each
 start adds a line to ``machine-server/starts.log``.
+
+At about 470 lines this module is over the project's usual size because the supervisor runs as
+this very module (``python -m anex_pipeline.engine.machine_server``, the name the orphan guard
+recognises it by) and shares the state file's reading, locking and pid checks with the steps
+that find or stop the server; apart, those would be two copies of the same trust rules.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.engine import EngineLoadFailed, progress
+from anex_pipeline.engine.loader import progress
 
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
 from anex_pipeline.engine.orphans import (
@@ -63,7 +68,8 @@ from anex_pipeline.engine.orphans import (
     signal_if_same,
     start_time,
 )
-from anex_pipeline.errors import AnexError, ExitCode
+from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
+from anex_pipeline.paths import machine_server_dir
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
@@ -103,15 +109,6 @@ class ServerState:
 
 
 _TYPES = {"pid": int, "start": int, "group": int, "port": int, "key": str, "model_name": str, "log": str, "token": str}
-
-
-def state_dir() -> Path:
-    """``$ANEX_MACHINE_SERVER_DIR`` if set (processes that must not meet the machine's usual
-    server, such as tests), else ``machine-server`` in the cache folder."""
-    from anex_pipeline.engine.models import cache_root
-
-    configured = os.environ.get("ANEX_MACHINE_SERVER_DIR")
-    return Path(configured).expanduser() if configured else cache_root() / "machine-server"
 
 
 def settings_key(settings: Any) -> str:
@@ -243,7 +240,7 @@ def busy(url: str) -> bool:
 
 
 def server_command(settings: Any, port: int) -> list[str]:
-    """The ``vllm serve`` command for in-process engine settings (vllm_local.EngineSettings): the
+    """The ``vllm serve`` command for in-process engine settings (vllm.engine.EngineSettings): the
     same engine arguments the in-process engine is built with, as flags, and the server's own.
 
     The server is started through its module: the ``vllm`` command looks up the version of a
@@ -284,7 +281,7 @@ def server_for(
     (which raises in a step waiting for its engine) cuts them short."""
     from filelock import FileLock
 
-    folder = private_folder(folder or state_dir())
+    folder = private_folder(folder or machine_server_dir())
     lock = FileLock(str(folder / "lock"))
     key = settings_key(settings)
     with lock:  # the lock polls in short sleeps: a stop signal still gets through
@@ -366,7 +363,7 @@ def _terminate(state: ServerState, grace_s: float = 30.0) -> None:
 
 
 def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
-    from anex_pipeline.engine import cpu_environment
+    from anex_pipeline.engine.vllm import cpu_environment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -403,7 +400,7 @@ def stop_server(folder: Path | None = None) -> ServerState | None:
     """Stops this machine's model server, if one runs; returns what it was."""
     from filelock import FileLock
 
-    folder = folder or state_dir()
+    folder = folder or machine_server_dir()
     if not (folder / "lock").exists():
         return None
     with FileLock(str(private_folder(folder) / "lock")):

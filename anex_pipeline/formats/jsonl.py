@@ -1,291 +1,125 @@
-"""JSONL in the OpenAI batch format: request lines in, batch output envelopes out; shards are
-JSON lines ``{"i", "key", "body"}``. (A little over the project's ~400 lines: reading and checking
-request lines, the shards and writing the envelopes are the whole of one format.)"""
+"""JSONL in the OpenAI batch format: request lines in (read and checked by
+:mod:`~anex_pipeline.formats.jsonl_input`), batch output envelopes out; shards are JSON lines
+``{"i", "key", "body"}``, and so are their checkpoints (:mod:`~anex_pipeline.formats.jsonl_checkpoint`)."""
 
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import json
-import re
-from array import array
+import multiprocessing
+import os
+import shutil
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, BinaryIO
 
 import msgspec
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from anex_pipeline import responses
-from anex_pipeline.formats import InputRow, StoredOutcome, decode_stored_outcome, jsonl_checkpoint
-from anex_pipeline.spec import (
-    DUPLICATE_ID,
-    ENDPOINT_BY_URL,
-    INVALID_JSON,
-    INVALID_TYPE,
-    INVALID_VALUE,
-    URL_BY_ENDPOINT,
-    Endpoint,
-    JobOptions,
-    Problem,
-    RowOutcome,
-)
-from anex_pipeline.spec import MISSING_PARAMETER as MISSING
-from anex_pipeline.validate import _kind, check_body
+from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_checkpoint, jsonl_input
+from anex_pipeline.formats.base import Format, MergeInput, RowCounter, ShardCheckpoint
+from anex_pipeline.formats.envelope import answered_line
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, Problem, RowOutcome
 
-CHAT_URL = URL_BY_ENDPOINT["chat"]
-MAX_LINE_BYTES = 32 * 1024 * 1024
-_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
-_UTF8_BOM = b"\xef\xbb\xbf"
-_GZIP_MAGIC = b"\x1f\x8b"
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_NO_BODY = msgspec.Raw(b"")
-CHUNK_ROWS = 4096
-SHARD_FILE = "requests.jsonl"
-# The merge streams stored rows (bodies as JSON) into write_results, not columns of answers.
-MERGES_COLUMNS = False
-_STATUS = {200: b"200", None: b"null"}
 COPY_BLOCK = 1 << 20
+PARALLEL_MERGE_ROWS = 100_000  # a job this big is merged by one process per core
 
 
-class _Lines:
-    """Numbered lines of a file as bytes, bounded in length so a huge line never fills memory."""
+class JsonlFormat(Format):
+    """OpenAI batch JSONL: each line a request, each result line a batch output envelope."""
 
-    def __init__(self, f: IO[bytes]):
-        self.f = f
+    name = "jsonl"
+    title = "JSONL"
+    shard_file = "requests.jsonl"
+    checkpoint_file = "results.jsonl"
+    error_field = "error"
 
-    def __iter__(self) -> Iterator[tuple[int, bytes | None]]:
-        number = 0
-        while True:
-            chunk = self.f.readline(MAX_LINE_BYTES + 1)
-            if not chunk:
-                return
-            number += 1
-            if len(chunk) > MAX_LINE_BYTES and not chunk.endswith(b"\n"):
-                while chunk and not chunk.endswith(b"\n"):  # skip the rest of the long line
-                    chunk = self.f.readline(MAX_LINE_BYTES)
-                yield number, None
-                continue
-            yield number, chunk
+    def job_endpoint(self, path: Path, options: JobOptions) -> Endpoint:
+        return jsonl_input.job_endpoint(path, options)
 
+    def read_chunks(
+        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+    ) -> Iterator[list[bytes] | Problem]:
+        return jsonl_input.read_chunks(path, endpoint, model_names, options)
 
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1024 * 1024), ("KiB", 1024)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} bytes"
+    def chunk_rows(self, chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        for line in chunk:
+            yield shard_row(line, endpoint, options)
 
+    def staging(self, path: Path) -> Staging:
+        return Staging(path)
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value; write a number or null")
+    def split_staging(self, staging: Path, shards: list[tuple[Path, int]]) -> None:
+        split_staging(staging, shards)
 
-
-def _decode(raw: bytes) -> tuple[Any, str | None]:
-    """Parses one line; returns (value, None) or (None, reason)."""
-    if b"\0" in raw:
-        return (
-            None,
-            f"holds a NUL byte (0x00 at column {raw.index(0) + 1}); the file looks binary or UTF-16/32 "
-            "encoded: save it as UTF-8 JSONL",
-        )
-    try:
-        # The fast parser accepts only strict JSON (no NaN, no lone surrogates, bounded depth);
-        # whatever it refuses goes through the standard library to name the problem.
-        return msgspec.json.decode(raw), None
-    except (msgspec.DecodeError, RecursionError):
-        pass
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return (
-            None,
-            f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8",
-        )
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        return None, "is JSON nested too deeply to read"
-    except json.JSONDecodeError as exc:
-        return None, f"is not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"
-    except ValueError as exc:
-        return None, f"is not valid JSON: {exc}"
-    if _SURROGATE_ESCAPE.search(text):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return (
-                None,
-                f"holds a lone surrogate escape (\\u{ord(exc.object[exc.start]):04x}), which is not valid "
-                "Unicode text; fix or remove it",
-            )
-    return value, None
-
-
-def _first_endpoint(path: Path) -> Endpoint | None:
-    """The endpoint named by the first line that carries a recognised url, if any."""
-    with path.open("rb") as f:
-        for _, raw in _Lines(f):
-            if raw is None or not raw.strip():
-                continue
-            value, _ = _decode(raw.removeprefix(_UTF8_BOM))
-            if isinstance(value, dict) and isinstance(value.get("url"), str) and value["url"] in ENDPOINT_BY_URL:
-                return ENDPOINT_BY_URL[value["url"]]
-    return None
-
-
-def job_endpoint(path: Path, options: JobOptions) -> Endpoint:
-    """The job's endpoint: the option if set, else the rows' url, else chat."""
-    return options.endpoint or _first_endpoint(path) or "chat"
-
-
-class _Request(msgspec.Struct):
-    """The fields of a request line the fast path looks at; the body stays JSON text."""
-
-    custom_id: str
-    method: str = "POST"
-    url: str | None = None
-    body: msgspec.Raw = _NO_BODY
-
-
-_decode_request = msgspec.json.Decoder(_Request).decode
-
-
-def read_chunks(
-    path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
-) -> Iterator[list[bytes] | Problem]:
-    """Checks every line, in file order; yields the problems of bad lines and, for runs of good
-    ones, their shard lines (``{"i", "key", "body"}``, the body passed through as written).
-
-    A line that looks right is checked on a fast path (one typed decode); any other line takes
-    the full path that names its problems. Ids used twice are named after the last line.
-    """
-    ids = _Ids()
-    index = 0
-    chunk: list[bytes] = []
-    shortening = _shortening(options.model) if endpoint == "embeddings" else None
-    own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
-    with path.open("rb") as f:
-        head = f.read(4)
-        if head.startswith(_UTF16_BOMS) or (len(head) == 4 and head[0] != 0 and head[1::2] == b"\0\0"):
-            yield Problem("the file is UTF-16 or UTF-32 encoded; save it as UTF-8 JSONL", line=1)
-            return
-        if head.startswith(_GZIP_MAGIC):
-            yield Problem("the file is gzip-compressed; decompress it and submit the JSONL inside", line=1)
-            return
-        f.seek(0)
-        for number, raw in _Lines(f):
-            if number == 1 and raw is not None:
-                raw = raw.removeprefix(_UTF8_BOM)
-            line = _fast_line(raw, own_urls, endpoint, model_names, shortening)
-            if line is not None:
-                ids.add(line[0], number)
-                chunk.append(_shard_line(index, *line))
-                index += 1
-                if len(chunk) == CHUNK_ROWS:
-                    yield chunk
-                    chunk = []
-                continue
-            if raw is None:
-                problems = [Problem(f"is longer than {_size(MAX_LINE_BYTES)}; split or shorten it", line=number)]
-            elif not raw.strip():
-                continue
-            else:
-                value, reason = _decode(raw)
-                if reason is not None:
-                    problems = [Problem(reason, line=number, code=INVALID_JSON)]
-                else:
-                    problems = _check_line(value, endpoint, model_names, number, shortening)
-            if problems:
-                if chunk:
-                    yield chunk
-                    chunk = []
-                yield from problems
-                continue
-            ids.add(value["custom_id"], number)
-            chunk.append(_shard_line(index, value["custom_id"], msgspec.json.encode(value["body"])))
-            index += 1
-    if chunk:
-        yield chunk
-    yield from ids.repeated(path)
-
-
-def _shard_line(index: int, key: str, body: bytes) -> bytes:
-    return b'{"i":%d,"key":%b,"body":%b}\n' % (index, msgspec.json.encode(key), body)
-
-
-class _Ids:
-    """The custom_ids of the accepted lines, as 64-bit hashes beside their line numbers (16 bytes
-    a row, whatever the ids' length); the ids used twice are found once the file is read."""
-
-    def __init__(self) -> None:
-        self.hashes = array("q")
-        self.lines = array("q")
-
-    def add(self, cid: str, number: int) -> None:
-        self.hashes.append(hash(cid))
-        self.lines.append(number)
-
-    def repeated(self, path: Path) -> list[Problem]:
-        """A problem for each line whose id an earlier line has (read again from the file: equal
-        hashes may come from different ids)."""
-        if len(self.hashes) < 2:
-            return []
-        # Sorted, equal hashes sit side by side (sorting takes far less memory than hashing them).
-        ordered = pa.Array.from_buffers(pa.int64(), len(self.hashes), [None, pa.py_buffer(self.hashes)]).sort()
-        same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
-        if not pc.any(same).as_py():
-            return []
-        twice = set(ordered.slice(1).filter(same).to_pylist())
-        wanted = {self.lines[n] for n, h in enumerate(self.hashes) if h in twice}
-        first: dict[str, int] = {}
-        problems = []
+    def read_shard(self, path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
+        """The job's system prompt is applied to each row."""
         with path.open("rb") as f:
-            for number, raw in _Lines(f):
-                if number not in wanted or raw is None:
-                    continue
-                cid = _decode(raw.removeprefix(_UTF8_BOM) if number == 1 else raw)[0]["custom_id"]
-                if cid in first:
-                    message = f"'{cid}' is already used on line {first[cid]}; ids must be unique"
-                    problems.append(Problem(message, number, "custom_id", DUPLICATE_ID))
-                else:
-                    first[cid] = number
-        return problems
+            for line in f:
+                row = shard_row(line, endpoint, options)
+                yield responses.chat_row(row) if endpoint == "responses" else row
+
+    def append_checkpoint(self, path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
+        jsonl_checkpoint.append_outcomes(path, outcomes)
+
+    def checkpoint_outcomes(self, path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
+        """The bodies stay the stored JSON, and the file is streamed, never read whole."""
+        return jsonl_checkpoint.latest_records(path, start, stop, decode_stored_outcome)
+
+    def merge(self, job: MergeInput, out: Path, counter: RowCounter) -> None:
+        """Streams each shard's checkpoint into envelopes. A big job's shards are written by one
+        process per core, each into a part file, and the parts appended in shard order."""
+        shards = job.shards
+        workers = min(os.cpu_count() or 1, len(shards))
+        if sum(s.stop - s.start for s in shards) < PARALLEL_MERGE_ROWS or workers < 2:
+            for n, shard in enumerate(shards):
+                counter.absorb(self._write_part(shard, out, job.endpoint, type(counter), append=n > 0))
+            return
+        parts = [out.with_name(f"{out.name}.{n}") for n in range(len(shards))]
+        try:
+            # fork: the workers need no imports, and they only read checkpoints and write their part
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                kinds = [type(counter)] * len(parts)
+                for counted in pool.map(self._write_part, shards, parts, [job.endpoint] * len(parts), kinds):
+                    counter.absorb(counted)
+            with out.open("wb") as f:
+                for part in parts:
+                    with part.open("rb") as src:
+                        _copy(src, f)
+        finally:
+            for part in parts:
+                part.unlink(missing_ok=True)
+
+    def _write_part(
+        self, shard: ShardCheckpoint, path: Path, endpoint: Endpoint, counter: type[RowCounter], append: bool = False
+    ) -> RowCounter:
+        """Writes the result lines of one shard's finished rows, in input order; returns a new
+        counter (of the merge's own kind) of them."""
+        counted = counter()
+        add = counted.add
+        outcomes = self.checkpoint_outcomes(shard.path, shard.start, shard.stop, endpoint)
+        write_results(path, (add(o) for o in outcomes), append=append)
+        return counted
+
+    def result_keys(self, path: Path) -> Iterator[str]:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["custom_id"]
 
 
-def _fast_line(
-    raw: bytes | None,
-    own_urls: set[str],
-    endpoint: Endpoint,
-    model_names: frozenset[str],
-    shortening: tuple[bool, list[int] | None] | None,
-) -> tuple[str, bytes] | None:
-    """(custom_id, body as JSON) for a line that passes every check; None when the line must go
-    the full way (it may still be good)."""
-    if raw is None:
-        return None
+def _copy(source: BinaryIO, target: BinaryIO) -> None:
+    """Appends one file to another, inside the kernel where the filesystem allows it."""
+    left = os.fstat(source.fileno()).st_size
     try:
-        request = _decode_request(raw)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    cid = request.custom_id
-    if not cid or request.method != "POST" or request.body == _NO_BODY:
-        return None
-    if request.url is not None and request.url not in own_urls:
-        return None
-    try:
-        body = msgspec.json.decode(request.body)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    if type(body) is not dict or check_body(body, endpoint, model_names, shortening):
-        return None
-    return cid, bytes(request.body)
-
-
-def chunk_rows(chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """The rows of a chunk of shard lines, with the job's system prompt applied."""
-    for line in chunk:
-        yield shard_row(line, endpoint, options)
+        while left:
+            left -= os.copy_file_range(source.fileno(), target.fileno(), left)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        shutil.copyfileobj(source, target, 1 << 20)
 
 
 def shard_row(line: bytes | str, endpoint: Endpoint, options: JobOptions) -> InputRow:
@@ -293,46 +127,6 @@ def shard_row(line: bytes | str, endpoint: Endpoint, options: JobOptions) -> Inp
     (the prompt is kept once, in the job's options, not in every staged line)."""
     rec = msgspec.json.decode(line)
     return InputRow(index=rec["i"], key=rec["key"], body=_apply_job_prompt(rec["body"], endpoint, options))
-
-
-def _check_line(
-    value: Any,
-    endpoint: Endpoint,
-    model_names: frozenset[str],
-    number: int,
-    shortening: tuple[bool, list[int] | None] | None,
-) -> list[Problem]:
-    if not isinstance(value, dict):
-        return [Problem("must be a JSON object with custom_id and body", line=number, code=INVALID_TYPE)]
-    problems = []
-    cid = value.get("custom_id")
-    if "custom_id" not in value:
-        problems.append(Problem("is required: a non-empty string that names the row", number, "custom_id", MISSING))
-    elif not isinstance(cid, str) or not cid:
-        kind = INVALID_TYPE if not isinstance(cid, str) else INVALID_VALUE
-        problems.append(Problem(f"must be a non-empty string, got {_kind(cid)}", number, "custom_id", kind))
-    method = value.get("method", "POST")
-    if method != "POST":
-        problems.append(Problem(f"must be POST, got {json.dumps(method)}", number, "method"))
-    url = value.get("url")
-    if url is not None and not isinstance(url, str):
-        problems.append(Problem(f"must be a string such as {CHAT_URL}, got {_kind(url)}", number, "url", INVALID_TYPE))
-    elif url is not None and url not in ENDPOINT_BY_URL:
-        problems.append(
-            Problem(f"{json.dumps(url)} is not supported; use one of {', '.join(ENDPOINT_BY_URL)}", number, "url")
-        )
-    elif url is not None and ENDPOINT_BY_URL[url] != endpoint:
-        problems.append(
-            Problem(f"is {url} but this job's rows go to the {endpoint} endpoint; one endpoint per file", number, "url")
-        )
-    if "body" not in value:
-        problems.append(Problem("is required: the request as the OpenAI API takes it", number, "body", MISSING))
-    else:
-        own = ENDPOINT_BY_URL.get(url, endpoint) if isinstance(url, str) else endpoint  # not the job's, if mixed
-        problems += [
-            Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names, shortening)
-        ]
-    return problems
 
 
 def _apply_job_prompt(body: dict[str, Any], endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
@@ -399,63 +193,17 @@ def split_staging(staging: Path, shards: list[tuple[Path, int]]) -> None:
                     rest, count = block[cut + 1 :], 0
 
 
-def read_shard(path: Path, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
-    """A shard's rows, with the job's system prompt applied (a /v1/responses row comes as the chat
-    row it means)."""
-    with path.open("rb") as f:
-        for line in f:
-            row = shard_row(line, endpoint, options)
-            yield responses.chat_row(row) if endpoint == "responses" else row
-
-
 def write_results(path: Path, outcomes: Iterable[StoredOutcome], append: bool = False) -> int:
-    """Writes (or with ``append``, adds) one OpenAI batch output line per outcome (the stored body
+    """Writes (or with ``append``, adds) one batch output envelope per outcome (the stored body
     passes through as it is); returns the number of lines."""
-    encode = msgspec.json.encode
     count = 0
     lines: list[bytes] = []
     with path.open("ab" if append else "wb") as f:
         for o in outcomes:
-            key = encode(o.key)[1:]  # the key as JSON without its opening quote, to follow a prefix
-            lines.append(
-                b'{"id":"batch_req_%b,"custom_id":"%b,"response":{"status_code":%b,"request_id":"req_%b,'
-                b'"body":%b},"error":%b}\n'
-                % (key, key, _STATUS.get(o.status_code) or encode(o.status_code), key, *_body_and_error(o))
-            )
-            if len(lines) == CHUNK_ROWS:
+            lines.append(answered_line(o))
+            if len(lines) == jsonl_input.CHUNK_ROWS:
                 f.write(b"".join(lines))
                 count += len(lines)
                 lines.clear()
         f.write(b"".join(lines))
     return count + len(lines)
-
-
-def _body_and_error(o: StoredOutcome) -> tuple[bytes, bytes]:
-    return (o.body, b"null") if o.error is None else (b"null", msgspec.json.encode(o.error))
-
-
-def append_checkpoint(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> None:
-    """Appends finished rows to a shard's checkpoint (JSON lines), durably."""
-    jsonl_checkpoint.append_outcomes(path, outcomes)
-
-
-def checkpoint_outcomes(path: Path, start: int, stop: int, endpoint: Endpoint) -> Iterator[StoredOutcome]:
-    """The latest outcome of each row of a shard's checkpoint, by row order; the bodies stay the
-    stored JSON and the file is streamed, never read whole."""
-    return jsonl_checkpoint.latest_records(path, start, stop, decode_stored_outcome)
-
-
-def result_keys(path: Path) -> Iterator[str]:
-    """The row identities of a result file, in file order."""
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)["custom_id"]
-
-
-def _shortening(model: str) -> tuple[bool, list[int] | None] | None:
-    """Whether an embedding model can shorten its vectors, and to which lengths (see
-    :func:`~anex_pipeline.engine.models.matryoshka_dimensions`). The engine package sits
-    above the file formats, so it is imported here, when an embeddings file is read."""
-    from anex_pipeline.engine.models import matryoshka_dimensions, resolve_model
-
-    return matryoshka_dimensions(resolve_model(model, "embeddings")[0])

@@ -36,17 +36,17 @@ import httpcore
 import httpx
 
 from anex_pipeline import metrics
-from anex_pipeline.engine.models import cache_root
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.guard import (
-    _client,
-    _deadline,
-    _GuardedBackend,
-    _Refused,
+    AddressRefused,
+    GuardedBackend,
     allowed_endpoints,
+    media_client,
+    request_deadline,
 )
 from anex_pipeline.media.refs import MediaRef, fetch_problem
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
+from anex_pipeline.paths import media_cache_dir
 from anex_pipeline.spec import MediaOptions
 
 MAX_REDIRECTS = 5
@@ -63,13 +63,7 @@ CACHE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 T = TypeVar("T")
 
 
-def media_cache_dir() -> Path:
-    """Where downloaded media are kept: ``$ANEX_MEDIA_CACHE_DIR``, else ``<cache_root>/media``."""
-    configured = os.environ.get("ANEX_MEDIA_CACHE_DIR")
-    return Path(configured).expanduser() if configured else cache_root() / "media"
-
-
-class _OutOfTime(Exception):
+class MediaOutOfTime(Exception):
     """The job's time limit ran out before this media arrived; the media are not at fault."""
 
 
@@ -114,7 +108,7 @@ class MediaFetcher:
     processes on the machine, a claim in the cache makes one download while the others wait for it.
     Media the cache cannot store (a full disk, a broken cache) are kept in memory for this fetcher
     when ``hold_uncached``, else only counted. ``stop_at`` (a ``time.monotonic()`` value) is when
-    fetching must end: what has not arrived by then raises _OutOfTime, not MediaFetchError.
+    fetching must end: what has not arrived by then raises MediaOutOfTime, not MediaFetchError.
     """
 
     def __init__(
@@ -130,8 +124,8 @@ class MediaFetcher:
         self.stop_at = stop_at
         self.hold_uncached = hold_uncached
         self.stats = FetchStats()
-        self.backend = _GuardedBackend(allowed_endpoints(options.allowed_hosts))
-        self.client = _client(options, self.backend)
+        self.backend = GuardedBackend(allowed_endpoints(options.allowed_hosts))
+        self.client = media_client(options, self.backend)
         self._lock = threading.Lock()
         self._results: dict[str, Future[Cached]] = {}
         self._encoded: dict[str, str] = {}
@@ -252,7 +246,7 @@ class MediaFetcher:
             self.backend.addresses(parts.hostname or "", port)
         except ValueError as exc:
             raise MediaFetchError(url, f"the URL is malformed ({exc})", hop=hop) from None
-        except (_Refused, httpcore.ConnectError) as exc:
+        except (AddressRefused, httpcore.ConnectError) as exc:
             raise MediaFetchError(url, str(exc), hop=hop) from None
 
     def _cached_or_download(self, url: str) -> Cached:
@@ -281,7 +275,7 @@ class MediaFetcher:
     def _check_time_left(self) -> None:
         left = self._job_time_left()
         if left is not None and left <= 0:
-            raise _OutOfTime()
+            raise MediaOutOfTime()
 
     def _download(self, url: str) -> Cached:
         """Requests the URL, following redirects one checked hop at a time and retrying 429 and 5xx.
@@ -300,7 +294,7 @@ class MediaFetcher:
                     if deadline is None:
                         deadline = time.monotonic() + self.options.timeout_s
                     result = self._request(url, hop, deadline, hops)
-            except _Refused as exc:
+            except AddressRefused as exc:
                 raise MediaFetchError(url, str(exc), hop=hop) from None
             except _Retry as retry:
                 self._pause_before_retry(url, hop, retry, attempt)
@@ -346,7 +340,7 @@ class MediaFetcher:
             slot = self._hosts.setdefault(key, threading.BoundedSemaphore(self.options.per_host_connections))
         left = self._job_time_left()
         if not slot.acquire(timeout=None if left is None else max(0.0, left)):
-            raise _OutOfTime()
+            raise MediaOutOfTime()
         try:
             yield
         finally:
@@ -357,7 +351,7 @@ class MediaFetcher:
         media, or the URL it redirects to."""
         at = deadline if self.stop_at is None else min(deadline, self.stop_at)
         try:
-            with _deadline(at), self.client.stream("GET", hop) as response:
+            with request_deadline(at), self.client.stream("GET", hop) as response:
                 status = response.status_code
                 if status in REDIRECT_CODES and "location" in response.headers:
                     return urljoin(hop, response.headers["location"])

@@ -95,27 +95,29 @@ def allowed_endpoints(entries: Iterable[str]) -> frozenset[tuple[str, int | None
     return frozenset(found)
 
 
-class _Refused(Exception):
+class AddressRefused(Exception):
     """A connection the address policy does not allow; nothing was sent."""
 
 
 # The monotonic time by which the current thread's request must be over (None: no deadline).
-_request_deadline = threading.local()
+_deadline_of_thread = threading.local()
 
 
 @contextmanager
-def _deadline(at: float) -> Iterator[None]:
-    _request_deadline.at = at
+def request_deadline(at: float) -> Iterator[None]:
+    """Within this block, every network operation of the current thread's requests ends by the
+    monotonic time ``at``: each one's timeout is cut to what is left."""
+    _deadline_of_thread.at = at
     try:
         yield
     finally:
-        _request_deadline.at = None
+        _deadline_of_thread.at = None
 
 
 def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
     """The timeout for one network operation: the one given, cut to what is left before the current
     request's deadline; raises ``error`` (an httpcore timeout) once the deadline has passed."""
-    at = getattr(_request_deadline, "at", None)
+    at = getattr(_deadline_of_thread, "at", None)
     if at is None:
         return timeout
     left = at - time.monotonic()
@@ -151,7 +153,7 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
-class _GuardedBackend(httpcore.SyncBackend):
+class GuardedBackend(httpcore.SyncBackend):
     """Opens TCP connections only to hosts on the allow-list or to addresses that pass the policy.
 
     The host is resolved here and the connection goes to the very address that was checked, so a
@@ -164,7 +166,7 @@ class _GuardedBackend(httpcore.SyncBackend):
 
     def addresses(self, host: str, port: int) -> list[str] | None:
         """The checked addresses of host:port, or None when the allow-list names it (it is then
-        connected to by name). Raises _Refused, or httpcore.ConnectError when the name does not resolve."""
+        connected to by name). Raises AddressRefused, or httpcore.ConnectError when the name does not resolve."""
         if (host.lower(), port) in self.allowed or (host.lower(), None) in self.allowed:
             return None
         try:
@@ -176,7 +178,7 @@ class _GuardedBackend(httpcore.SyncBackend):
             problem = address_problem(address)
             if problem:
                 where = f"{host} is {problem}" if address == host else f"{host} resolves to {address}, {problem}"
-                raise _Refused(
+                raise AddressRefused(
                     f"{where}; loopback, private, link-local and cloud-metadata hosts are refused unless "
                     f"{self.allowed_by} names them"
                 )
@@ -229,7 +231,7 @@ class _GuardedTransport(httpx.BaseTransport):
     """An httpx transport over an httpcore connection pool whose every connection is opened by the
     guarded backend. Built from public parts only: httpx's own transport takes no network backend."""
 
-    def __init__(self, backend: _GuardedBackend):
+    def __init__(self, backend: GuardedBackend):
         self._pool = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context(),
             max_connections=TOTAL_CONNECTIONS,
@@ -254,9 +256,11 @@ class _GuardedTransport(httpx.BaseTransport):
         self._pool.close()
 
 
-def _client(
-    options: MediaOptions, backend: _GuardedBackend, user_agent: str = "anex-pipeline media fetcher"
+def media_client(
+    options: MediaOptions, backend: GuardedBackend, user_agent: str = "anex-pipeline media fetcher"
 ) -> httpx.Client:
+    """An httpx client that connects only through ``backend`` (the address policy), follows no
+    redirect itself and ignores proxies from the environment."""
     return httpx.Client(
         transport=_GuardedTransport(backend),
         timeout=options.timeout_s,
@@ -270,15 +274,15 @@ def guarded_client(allowed_hosts: Iterable[str], allowed_by: str, timeout_s: flo
     """An httpx client for other outbound requests (webhooks) under the same address policy, with
     ``allowed_hosts`` let through; ``allowed_by`` names that setting in a refusal. A connection
     the policy refuses raises before a byte is sent."""
-    backend = _GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by)
-    return _client(MediaOptions(timeout_s=timeout_s), backend, user_agent)
+    backend = GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by)
+    return media_client(MediaOptions(timeout_s=timeout_s), backend, user_agent)
 
 
 def refusal(host: str, port: int, allowed_hosts: Iterable[str], allowed_by: str) -> str | None:
     """Why the policy refuses host:port right now (None: allowed, or the name does not resolve)."""
     try:
-        _GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by).addresses(host, port)
-    except _Refused as exc:
+        GuardedBackend(allowed_endpoints(allowed_hosts), allowed_by).addresses(host, port)
+    except AddressRefused as exc:
         return str(exc)
     except httpcore.ConnectError:
         return None

@@ -19,7 +19,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
-from anex_pipeline.engine import EngineLoadFailed
+from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.partitions import (
     across_jobs_and_shards,
@@ -35,11 +35,12 @@ from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import estimate_lengths, length_histogram
 from anex_pipeline.stages.generate import run_shard
-from anex_pipeline.stages.ledger import account_rows
-from anex_pipeline.stages.merge import merge_job, nothing_delivered, result_path
+from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge_row_account import account_rows
+from anex_pipeline.stages.publish import publish_job
 from anex_pipeline.stages.submit import prepare_job
-from anex_pipeline.stopping import JobStopped, load_interruptibly, request_stop, stopping_on_signals
-from anex_pipeline.storage import is_s3, localize_input, publish
+from anex_pipeline.stopping import load_interruptibly, request_stop, stopping_on_signals
+from anex_pipeline.storage import is_s3, localize_input
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline.workdir.shard_owner import ShardTakenOver
@@ -333,15 +334,8 @@ def merged_result(context: dg.AssetExecutionContext, storage: StorageResource) -
 )
 def result_file(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     job = _job(context, storage)
-    manifest = job.manifest()
-    s3 = storage.s3_client() if manifest.output.startswith("s3://") or manifest.report.startswith("s3://") else None
-    report = JobReport.model_validate_json(job.report_path.read_text())
-    if nothing_delivered(report.request_counts):  # the report tells why; an earlier result stays
-        where = "not published: no row has a result"
-    else:
-        where = publish(result_path(job), manifest.output, s3)
-    publish(job.report_path, manifest.report, s3)
-    return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": manifest.report})
+    report, where = publish_job(job, storage.s3_client)
+    return dg.MaterializeResult(metadata={**report_metadata(report, where), "report_path": job.manifest().report})
 
 
 def report_metadata(report: JobReport, where: object) -> dict[str, Any]:

@@ -1,19 +1,22 @@
-"""The Dagster definitions that `dagster dev` loads through workspace.yaml."""
+"""The Dagster definitions that `dagster dev` loads through workspace.yaml.
+
+``defs`` is lazy (``@dg.definitions``): importing this module builds no resource and reads no
+environment variable; Dagster calls it when it loads the code location, and the resources whose
+fields the environment sets get them as ``dg.EnvVar``."""
 
 from __future__ import annotations
-
-import os
 
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
+from anex_pipeline import settings
 from anex_pipeline.orchestration import inboxes
 from anex_pipeline.orchestration.assets import all_assets
 from anex_pipeline.orchestration.driver import job_driver
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
 from anex_pipeline.orchestration.jobs import all_jobs
+from anex_pipeline.orchestration.prune_schedule import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.orchestration.retention import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.orchestration.retries import RetrySettings, retry_failed_rows
 
 
@@ -27,21 +30,21 @@ def build_definitions(
     retention: RetentionSettings | None = None,
 ) -> dg.Definitions:
     """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
-    storage = storage or StorageResource()
+    storage = storage or StorageResource.from_environment()
     return dg.Definitions(
         executor=_executor(),
         assets=all_assets,
         jobs=[*all_jobs, prune_job],
-        sensors=[job_driver, inboxes.s3_inbox, inboxes.local_inbox],
-        schedules=[retry_failed_rows, prune_old_jobs],
+        sensors=[job_driver(), inboxes.s3_inbox, inboxes.local_inbox],
+        schedules=[retry_failed_rows(), prune_old_jobs()],
         resources={
             "storage": storage,
             "engine": engine or EngineResource(),
             "s3": S3Resource(endpoint_url=storage.s3_endpoint_url, region_name=storage.s3_region),
-            "s3_inbox_settings": s3_inbox or S3InboxSettings(),
-            "local_inbox_settings": local_inbox or LocalInboxSettings(),
-            "retry_settings": retry or RetrySettings(),
-            "retention_settings": retention or RetentionSettings(),
+            "s3_inbox_settings": s3_inbox or S3InboxSettings.from_environment(),
+            "local_inbox_settings": local_inbox or LocalInboxSettings.from_environment(),
+            "retry_settings": retry or RetrySettings.from_environment(),
+            "retention_settings": retention or RetentionSettings.from_environment(),
         },
     )
 
@@ -53,7 +56,7 @@ def _executor() -> dg.ExecutorDefinition | None:
     ``ANEX_EXECUTOR=multiprocess`` gives each step a process of its own again; ``ANEX_EXECUTOR=k8s``
     runs each step in its own Kubernetes pod (see deploy/README.md), ``ANEX_EXECUTOR=ray`` as a
     Ray job on the cluster at ``ANEX_RAY_ADDRESS`` (see docs/scale.md)."""
-    choice = os.environ.get("ANEX_EXECUTOR", "")
+    choice = settings.EXECUTOR.get()
     if choice == "multiprocess":
         return dg.multiprocess_executor
     if choice == "ray":
@@ -67,4 +70,7 @@ def _executor() -> dg.ExecutorDefinition | None:
     return k8s_job_executor
 
 
-defs = build_definitions()
+@dg.definitions
+def defs() -> dg.Definitions:
+    """The code location of workspace.yaml, built when Dagster loads it."""
+    return build_definitions()

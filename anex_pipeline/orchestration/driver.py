@@ -6,13 +6,13 @@ holds the job's lease). Off until started in the UI (Automation) or with ``dagst
 
 # No "from __future__ import annotations" here: Dagster reads the sensors' resource annotations.
 
-import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
 import dagster as dg
 
+from anex_pipeline import settings
 from anex_pipeline.orchestration.jobs import estimate_job, finish_job, shard_job
 from anex_pipeline.orchestration.partitions import CHUNK, job_shard_key, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
@@ -73,17 +73,21 @@ def next_steps(p: JobProgress, shard_count: int, failures: Mapping[int, ShardFai
     return []
 
 
-@dg.sensor(
-    name="job_driver",
-    jobs=[estimate_job, shard_job, finish_job],
-    minimum_interval_seconds=int(os.environ.get("ANEX_DRIVER_INTERVAL_S", "5")),
-    default_status=dg.DefaultSensorStatus.STOPPED,
-    description=(
-        "Moves every submitted job on: estimate after submit, each shard after the estimate, merge and "
-        "publish after the last shard. Start it to run jobs launched from the UI or an inbox sensor."
-    ),
-)
-def job_driver(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult | dg.SkipReason:
+def job_driver() -> dg.SensorDefinition:
+    """The sensor, ticking every ANEX_DRIVER_INTERVAL_S seconds as it is when the definitions load."""
+    return dg.sensor(
+        name="job_driver",
+        jobs=[estimate_job, shard_job, finish_job],
+        minimum_interval_seconds=settings.DRIVER_INTERVAL_S.get_int(),
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        description=(
+            "Moves every submitted job on: estimate after submit, each shard after the estimate, merge and "
+            "publish after the last shard. Start it to run jobs launched from the UI or an inbox sensor."
+        ),
+    )(drive_jobs)
+
+
+def drive_jobs(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult | dg.SkipReason:
     requests: list[dg.RunRequest] = []
     unknown, by_cli = [], []
     for p in job_progress(context.instance):

@@ -20,6 +20,8 @@ from dagster_aws.s3 import S3Resource
 from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
+from anex_pipeline import settings
+from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.options import (
     MAX_OPTIONS_BYTES,
     SIDECAR_SUFFIX,
@@ -32,11 +34,11 @@ from anex_pipeline.options import (
 from anex_pipeline.orchestration.assets import validated_input
 from anex_pipeline.orchestration.jobs import submit_job
 from anex_pipeline.orchestration.partitions import JOBS, job_partitions
-from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.resources import StorageResource, from_environment
 from anex_pipeline.storage import unsafe_key
 from anex_pipeline.workdir.manifest import make_job_id
 
-INPUT_SUFFIXES = (".jsonl", ".parquet")
+INPUT_SUFFIXES = tuple(f.suffix for f in FORMATS.values())
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class InboxSettings(dg.ConfigurableResource):
     """What the inbox sensors share: default job options and how much they take per tick."""
 
     options: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_INBOX_OPTIONS", "{}"),
+        default=settings.INBOX_OPTIONS.default,
         description="Default job options as a JSON object; a sidecar <input>.job.json overrides them key by key.",
     )
     page_limit: int = Field(default=50, ge=1, description="At most this many new jobs per tick; the rest wait.")
@@ -147,17 +149,26 @@ def take_new(
 class S3InboxSettings(InboxSettings):
     """The bucket and prefix the S3 sensor watches, and where results go in the same bucket."""
 
-    bucket: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_S3_BUCKET", ""), description="Bucket to watch (required)."
-    )
+    bucket: str = Field(default=settings.S3_BUCKET.default, description="Bucket to watch (required).")
     prefix: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_S3_PREFIX", ""),
+        default=settings.S3_PREFIX.default,
         description="Only keys under this prefix are inputs; empty = the whole bucket.",
     )
     output_prefix: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_S3_OUTPUT_PREFIX", "results/"),
+        default=settings.S3_OUTPUT_PREFIX.default,
         description="Results go to s3://<bucket>/<output_prefix>/<name>.results.<ext>; keys under it are never inputs.",
     )
+
+    @classmethod
+    def from_environment(cls) -> S3InboxSettings:
+        """The settings the environment gives (ANEX_INBOX_OPTIONS, ANEX_S3_*), as ``dg.EnvVar``."""
+        variables = {
+            "options": settings.INBOX_OPTIONS,
+            "bucket": settings.S3_BUCKET,
+            "prefix": settings.S3_PREFIX,
+            "output_prefix": settings.S3_OUTPUT_PREFIX,
+        }
+        return cls(**from_environment(cls, variables))
 
     def output_root(self) -> str:
         root = self.output_prefix.strip("/")
@@ -233,17 +244,23 @@ class LocalInboxSettings(InboxSettings):
     """The folder the local sensor watches and the folder results go to."""
 
     folder: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_INBOX_DIR", ""),
+        default=settings.INBOX_DIR.default,
         description="Folder to watch (with its subfolders); empty = 'inbox' beside the storage work_root.",
     )
     outbox: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_OUTBOX_DIR", ""),
+        default=settings.OUTBOX_DIR.default,
         description="Results go to <outbox>/<name>.results.<ext>; empty = 'outbox' beside the storage work_root.",
     )
     settle_seconds: float = Field(
         default=5.0, ge=0, description="A file is taken once it has not changed for this long (copies in progress)."
     )
     lookback_seconds: float = Field(default=60.0, ge=0, description="As for S3; file ctimes are precise.")
+
+    @classmethod
+    def from_environment(cls) -> LocalInboxSettings:
+        """The settings the environment gives (ANEX_INBOX_OPTIONS, ANEX_INBOX_DIR, ANEX_OUTBOX_DIR)."""
+        variables = {"options": settings.INBOX_OPTIONS, "folder": settings.INBOX_DIR, "outbox": settings.OUTBOX_DIR}
+        return cls(**from_environment(cls, variables))
 
     def folders(self, storage: StorageResource) -> tuple[Path, Path]:
         beside = Path(storage.work_root).expanduser().resolve().parent

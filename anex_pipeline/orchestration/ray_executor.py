@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from anex_pipeline import settings
+
 if TYPE_CHECKING:
     from dagster._core.executor.base import Executor
     from dagster._core.executor.init import InitExecutorContext
@@ -38,8 +40,6 @@ OTHER_STEP = {RAY_CONFIG_TAG: json.dumps({"num_cpus": 1})}
 """Op tags of every other step: one CPU, so that it runs on a worker node, not on the head."""
 
 GPU_POOL = "gpu"
-ADDRESS_ENV = "ANEX_RAY_ADDRESS"
-HEALTH_CHECK_ENV = "ANEX_RAY_HEALTH_CHECK_S"
 USAGE_STATS_OFF = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -59,13 +59,14 @@ def cluster_gpus(address: str) -> int:
 def step_environment() -> dict[str, str]:
     """The variables a step's process gets beside what its Ray node has: this process's
     ``ANEX_*`` settings, and Ray's usage statistics off."""
-    return {**{k: v for k, v in os.environ.items() if k.startswith("ANEX_")}, **USAGE_STATS_OFF}
+    return {**settings.pipeline_environment(), **USAGE_STATS_OFF}
 
 
 def _health_check_s() -> int:
-    raw = os.environ.get(HEALTH_CHECK_ENV, "5")
+    raw = settings.RAY_HEALTH_CHECK_S.get()
     if not (raw.isascii() and raw.isdigit() and int(raw) > 0):
-        raise RayExecutorMisconfigured(f"{HEALTH_CHECK_ENV}={raw!r}: give a whole number of seconds above 0")
+        name = settings.RAY_HEALTH_CHECK_S.name
+        raise RayExecutorMisconfigured(f"{name}={raw!r}: give a whole number of seconds above 0")
     return int(raw)
 
 
@@ -111,10 +112,10 @@ def ray_executor(init_context: InitExecutorContext) -> Executor:
     from ray.job_submission import JobSubmissionClient
 
     os.environ.update(USAGE_STATS_OFF)
-    address = os.environ.get(ADDRESS_ENV, "")
+    address = settings.RAY_ADDRESS.get()
     if not address:
         raise RayExecutorMisconfigured(
-            f"ANEX_EXECUTOR=ray needs {ADDRESS_ENV}: the Ray dashboard's address, e.g. http://ray-head:8265"
+            f"ANEX_EXECUTOR=ray needs {settings.RAY_ADDRESS.name}: the Ray dashboard's address, e.g. http://ray-head:8265"
         )
     health_check_s = _health_check_s()
     client = JobSubmissionClient(address)

@@ -3,12 +3,16 @@ its plain settings (its fields are theirs) so the Dagster layer adds nothing but
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
-from anex_pipeline.engine import Engine, EngineConfig, engine_for, engine_report, machine_engine, release_engines
+from anex_pipeline import settings
+from anex_pipeline.engine.base import Engine
+from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import engine_for, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -22,9 +26,28 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
     def wrapping(cls, config: StorageConfig) -> StorageResource:
         return cls(**{name: getattr(config, name) for name in StorageConfig.model_fields})
 
+    @classmethod
+    def from_environment(cls) -> StorageResource:
+        """The storage the environment gives (ANEX_WORK_DIR), as ``dg.EnvVar``."""
+        return cls(**from_environment(cls, {"work_root": settings.WORK_DIR}))
 
-def _machine_server_default() -> str:
-    return "0" if os.environ.get("ANEX_EXECUTOR") in ("k8s", "ray") else "1"
+
+def _machine_server_on() -> bool:
+    """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s and ray executors."""
+    if settings.MACHINE_SERVER.is_set():
+        return settings.MACHINE_SERVER.get() != "0"
+    return settings.EXECUTOR.get() not in ("k8s", "ray")
+
+
+def from_environment(resource: type[dg.ConfigurableResource], fields: Mapping[str, settings.Setting]) -> dict[str, Any]:
+    """The fields of ``resource`` that the environment sets, as ``dg.EnvVar``: Dagster shows the
+    variable (not its value) in the UI and reads it where each run or tick starts. An unset
+    variable is left out, so its field keeps its default."""
+    return {
+        field: dg.EnvVar.int(s.name) if resource.model_fields[field].annotation is int else dg.EnvVar(s.name)
+        for field, s in fields.items()
+        if s.is_set()
+    }
 
 
 class EngineResource(dg.ConfigurableResource, EngineConfig):
@@ -40,7 +63,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         default=False, description="Keep the engine loaded after the run (the CLI shares it across runs)."
     )
     machine_server: bool = Field(
-        default_factory=lambda: os.environ.get("ANEX_MACHINE_SERVER", _machine_server_default()) != "0",
+        default_factory=_machine_server_on,
         description="vLLM engine: share one model server per machine between the step processes, "
         "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
         "with ANEX_EXECUTOR=k8s or ray, where each step has a pod or a Ray job of its own).",
@@ -62,7 +85,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         else:
             engine = engine_for(self.plain(), manifest)
         if job is not None:
-            record_engine(job, engine_report(engine))
+            record_engine(job, engine.report_section())
         return engine
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

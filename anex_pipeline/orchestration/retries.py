@@ -3,16 +3,14 @@ limited number of times per shard. Off until started in the UI or with ``dagster
 
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 from pydantic import Field
 
+from anex_pipeline import settings
 from anex_pipeline.orchestration.jobs import shard_job
 from anex_pipeline.orchestration.partitions import job_shard_key
-from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.resources import StorageResource, from_environment
 from anex_pipeline.orchestration.runs import PARTITION_TAG, RETRY_TAG, JobProgress, job_progress
-from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir.lease import driven_by_cli
 from anex_pipeline.workdir.manifest import unfinished_shards
 
@@ -21,11 +19,16 @@ class RetrySettings(dg.ConfigurableResource):
     """How often the retry schedule reruns one shard of one job."""
 
     max_attempts: int = Field(
-        default_factory=lambda: int(os.environ.get("ANEX_RETRY_LIMIT", "3")),
+        default=int(settings.RETRY_LIMIT.default),
         ge=0,
         description="Reruns per shard and submission; a shard still failing after them is left as it is "
         "(its failed rows stay in the report). Counted from the runs the schedule started.",
     )
+
+    @classmethod
+    def from_environment(cls) -> RetrySettings:
+        """The settings the environment gives (ANEX_RETRY_LIMIT), as ``dg.EnvVar``."""
+        return cls(**from_environment(cls, {"max_attempts": settings.RETRY_LIMIT}))
 
 
 def retry_attempts(instance: dg.DagsterInstance, p: JobProgress, shard: int) -> int:
@@ -34,28 +37,32 @@ def retry_attempts(instance: dg.DagsterInstance, p: JobProgress, shard: int) -> 
     return instance.get_runs_count(dg.RunsFilter(job_name=shard_job.name, tags=tags))
 
 
-@dg.schedule(
-    name="retry_failed_rows",
-    job=shard_job,
-    cron_schedule=os.environ.get("ANEX_RETRY_CRON", "0 * * * *"),
-    default_status=dg.DefaultScheduleStatus.STOPPED,
-    description=(
-        "Reruns the shards of finished jobs that have failed or missing rows, up to max_attempts times per "
-        "shard (ANEX_RETRY_LIMIT, default 3); a rerun generates only those rows. job_driver then publishes "
-        "the new result. Hourly by default (ANEX_RETRY_CRON)."
-    ),
-)
-def retry_failed_rows(
+def retry_failed_rows() -> dg.ScheduleDefinition:
+    """The schedule, on the cron of ANEX_RETRY_CRON as it is when the definitions load."""
+    return dg.schedule(
+        name="retry_failed_rows",
+        job=shard_job,
+        cron_schedule=settings.RETRY_CRON.get(),
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+        description=(
+            "Reruns the shards of finished jobs that have failed or missing rows, up to max_attempts times per "
+            "shard (ANEX_RETRY_LIMIT, default 3); a rerun generates only those rows. job_driver then publishes "
+            "the new result. Hourly by default (ANEX_RETRY_CRON)."
+        ),
+    )(retry_requests)
+
+
+def retry_requests(
     context: dg.ScheduleEvaluationContext, storage: StorageResource, retry_settings: RetrySettings
 ) -> list[dg.RunRequest] | dg.SkipReason:
     requests = []
     spent = []
     for p in job_progress(context.instance):
         job = storage.job(p.job_id)
-        report = job.report_path
-        if p.busy or not p.finished or not report.exists():
+        report = None if p.busy or not p.finished else job.report()
+        if report is None:
             continue
-        counts = JobReport.model_validate_json(report.read_text()).request_counts
+        counts = report.request_counts
         if counts.completed >= counts.total or driven_by_cli(job):
             continue
         for shard in unfinished_shards(job):

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.engine.parsing import choose_parsers
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
-from anex_pipeline.spec import EstimateReport, RowOutcome
+from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
+from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.fetch_media import attach_media
-from anex_pipeline.stages.length_bound import upper_bound
 from anex_pipeline.stopping import StopCheck
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
 

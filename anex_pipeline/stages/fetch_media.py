@@ -19,17 +19,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats import InputRow
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
 from anex_pipeline.media.fetcher import (
     FetchStats,
     MediaFetcher,
     MediaFetchError,
-    _OutOfTime,
+    MediaOutOfTime,
 )
 from anex_pipeline.media.guard import TOTAL_CONNECTIONS
 from anex_pipeline.media.refs import MediaRef, media_references
-from anex_pipeline.spec import MediaOptions, RowError, RowOutcome
+from anex_pipeline.spec import InputRow, MediaOptions, RowError, RowOutcome
 from anex_pipeline.workdir.manifest import JobDir
 
 
@@ -88,7 +87,7 @@ def fetch_shard(job: JobDir, shard: int, options: MediaOptions, cache_dir: Path 
             for url, future in [(url, pool.submit(fetcher.fetch, url)) for url in urls]:
                 error = future.exception()
                 host = by_host.setdefault(urlsplit(url).netloc, Counter(downloaded=0, from_cache=0, failed=0))
-                if isinstance(error, _OutOfTime):
+                if isinstance(error, MediaOutOfTime):
                     out_of_time += 1
                 elif isinstance(error, MediaFetchError):
                     codes[str(error.status or "none")] += 1

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, fields
 
 from anex_pipeline import metrics
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request, stream_checked
-from anex_pipeline.formats import InputRow, StoredOutcome
+from anex_pipeline.formats import StoredOutcome
 from anex_pipeline.responses import as_response
-from anex_pipeline.spec import EstimateReport, RowOutcome
+from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.stages.generate_answer_book import AnswerBook, copy_for, fingerprint
 from anex_pipeline.stages.merge import RowTally
 from anex_pipeline.stopping import StopCheck, load_interruptibly
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -31,7 +31,7 @@ Progress = Callable[[int, int, int], None]
 
 
 @dataclass
-class ShardProgress:
+class LiveShardCounts:
     """A shard's rows while it generates: how many of its ``total`` are done, failed included."""
 
     total: int
@@ -45,10 +45,10 @@ class ShardProgress:
         self.completion_tokens += sum(o.usage.get("completion_tokens", 0) for o in outcomes)
 
 
-_live: dict[tuple[str, int], ShardProgress] = {}  # (job folder, shard) -> progress, while it runs here
+_live: dict[tuple[str, int], LiveShardCounts] = {}  # (job folder, shard) -> progress, while it runs here
 
 
-def live_progress(job: JobDir, shard: int) -> ShardProgress | None:
+def live_progress(job: JobDir, shard: int) -> LiveShardCounts | None:
     """The progress of the shard if it is generating in this process right now, else None (its
     checkpoint then says it all)."""
     return _live.get((str(job.root), shard))
@@ -118,7 +118,7 @@ def run_shard(
 
     todo = (row for row in job.read_requests(shard) if row.index not in finished)
     group_rows = chunk_rows or options.checkpoint_rows
-    live = _live[(str(job.root), shard)] = ShardProgress(total=rng.size, done=len(finished))
+    live = _live[(str(job.root), shard)] = LiveShardCounts(total=rng.size, done=len(finished))
     if progress:
         progress(live.done, live.total, 0)
     stop = StopCheck(job)

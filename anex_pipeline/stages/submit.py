@@ -15,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from anex_pipeline.engine.models import model_unavailable, resolve_model
-from anex_pipeline.formats import (
-    FileFormat,
-    InputRow,
-    parquet,
-    sniff_format,
-)
-from anex_pipeline.formats.registry import FORMATS, misnamed
+from anex_pipeline.formats.base import Format
+from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
 from anex_pipeline.options import sidecar_of
-from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, JobOptions, JobRejected, Problem
-from anex_pipeline.stages.shard_plan import LEVEL_CHARS, Heads, plan_bounds
+from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
+from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
@@ -47,8 +42,31 @@ OUTPUT_TOKENS_GUESS = 256  # output tokens a row is expected to take when the jo
 MAX_REPORTED_PROBLEMS = 1000
 
 
+class Problems:
+    """The problems a check finds: all of them counted, the first :data:`MAX_REPORTED_PROBLEMS`
+    kept, so that a file where every line is wrong keeps memory bounded."""
+
+    def __init__(self, found: list[Problem] | None = None):
+        self.kept: list[Problem] = []
+        self.total = 0
+        for problem in found or []:
+            self.add(problem)
+
+    def add(self, problem: Problem) -> None:
+        self.total += 1
+        if len(self.kept) < MAX_REPORTED_PROBLEMS:
+            self.kept.append(problem)
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def rejection(self) -> JobRejected:
+        """The job's refusal, naming the kept problems and counting all of them."""
+        return JobRejected(self.kept, total=self.total)
+
+
 def default_report_path(output: str) -> str:
-    for suffix in (".jsonl", ".parquet", ".json"):
+    for suffix in (*(f.suffix for f in FORMATS.values()), ".json"):
         if output.endswith(suffix):
             return output[: -len(suffix)] + ".report.json"
     return output + ".report.json"
@@ -73,7 +91,7 @@ def shard_count(total: int, staged_bytes: int, options: JobOptions) -> int:
 def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[ShardRange]:
     """``count`` contiguous slices of ``total`` rows; with ``heads`` (the starts of staged
     requests) cut where neighbouring rows share the least prompt
-    (:mod:`anex_pipeline.stages.shard_plan`), else evenly (sizes differ by one at most)."""
+    (:mod:`anex_pipeline.stages.submit_shard_plan`), else evenly (sizes differ by one at most)."""
     if heads is not None and count > 1:
         bounds = plan_bounds(total, count, heads)
     else:
@@ -81,13 +99,13 @@ def shard_ranges(total: int, count: int, heads: Heads | None = None) -> list[Sha
     return [ShardRange(start=bounds[s], stop=bounds[s + 1]) for s in range(count)]
 
 
-def detect_format(path: Path) -> FileFormat:
+def detect_format(path: Path) -> Format:
     if not path.exists():
         raise JobRejected([Problem(f"input file {path} does not exist")])
     if not path.is_file():
         raise JobRejected([Problem(f"input {path} is not a file")])
     try:
-        kind = sniff_format(path)
+        kind = sniff(path)
     except OSError as exc:
         raise JobRejected([Problem(f"input file {path} cannot be read: {exc.strerror}")]) from None
     if kind is None:
@@ -97,21 +115,17 @@ def detect_format(path: Path) -> FileFormat:
     return kind
 
 
-def read_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[Any]]:
+def read_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[Any]]:
     """Opens an input for checking: its format, its endpoint, and its problems and chunks of
-    accepted rows (in the format module's own form), in input order."""
+    accepted rows (in the format's own form), in input order."""
     kind = detect_format(path)
-    module = FORMATS[kind]
-    try:
-        endpoint = module.job_endpoint(path, options)
-    except parquet.ParquetInputError as exc:
-        raise JobRejected(exc.problems) from None
+    endpoint = kind.job_endpoint(path, options)
     _, model_name = resolve_model(options.model, endpoint)
     names = frozenset({model_name, *(n for n in [options.model] if n)})
-    return kind, endpoint, module.read_chunks(path, endpoint, names, options)
+    return kind, endpoint, kind.read_chunks(path, endpoint, names, options)
 
 
-def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, Iterator[InputRow | Problem]]:
+def check_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[InputRow | Problem]]:
     """Like :func:`read_input`, with the accepted rows one by one."""
     kind, endpoint, chunks = read_input(path, options)
 
@@ -120,7 +134,7 @@ def check_input(path: Path, options: JobOptions) -> tuple[FileFormat, Endpoint, 
             if isinstance(item, Problem):
                 yield item
             else:
-                yield from FORMATS[kind].chunk_rows(item, endpoint, options)
+                yield from kind.chunk_rows(item, endpoint, options)
 
     return kind, endpoint, rows()
 
@@ -229,10 +243,10 @@ def prepare_job(
     kind, endpoint, chunks = read_input(input_path, options)
     report = report or default_report_path(output)
     check_destinations(input_path, output, report, options_file, work_root=work_root, results_in=results_in)
-    found = model_problems(options.model) if local_model else []
+    problems = Problems(model_problems(options.model) if local_model else [])
     for dest in dict.fromkeys((output, report)):
         if why := output_problem(dest, s3_client):
-            found.append(Problem(why, field="output" if dest == output else "report"))
+            problems.add(Problem(why, field="output" if dest == output else "report"))
     sha = file_sha256(input_path)
     raw_options = options.model_dump(exclude_defaults=True)
     # The output is not part of the id: a job whose result could not be written resumes, with
@@ -243,32 +257,27 @@ def prepare_job(
     if claim is not None:
         claim(job)
     if job.exists() and job.manifest().input_sha256 == sha:
-        if found:
-            raise JobRejected(found)
+        if problems:
+            raise problems.rejection()
         manifest = job.manifest()
         if (manifest.output, manifest.report) != (output, report):
             moved = manifest.model_copy(update={"output": output, "report": report})
             atomic_write_text(job.manifest_path, moved.model_dump_json(indent=2))
         return job
     job.root.mkdir(parents=True, exist_ok=True)
-    module = FORMATS[kind]
     staging = job.root / layout.STAGING
-    problems: list[Problem] = found
-    problem_count = len(found)
     total = 0
-    out = module.Staging(staging)
+    out = kind.staging(staging)
     checked = False
     try:
         for item in chunks:
             if stop is not None:
                 stop()
             if isinstance(item, Problem):
-                problem_count += 1
-                if len(problems) < MAX_REPORTED_PROBLEMS:
-                    problems.append(item)
+                problems.add(item)
                 continue
             total += len(item)
-            if problem_count == 0:
+            if not problems:
                 out.add(item)
         checked = True
     finally:
@@ -277,11 +286,13 @@ def prepare_job(
             staging.unlink(missing_ok=True)
             if new_folder:
                 shutil.rmtree(job.root, ignore_errors=True)
-    if problem_count or total == 0:
+    if problems or total == 0:
         staging.unlink(missing_ok=True)
         if new_folder:  # nothing but the lease in it: no prune would ever remove it
             shutil.rmtree(job.root, ignore_errors=True)
-        raise JobRejected(problems or [Problem(f"input file {input_path} has no rows")], total=problem_count or 1)
+        if not problems:
+            problems.add(Problem(f"input file {input_path} has no rows"))
+        raise problems.rejection()
     count = shard_count(total, staging.stat().st_size, options)
     ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)
@@ -293,7 +304,7 @@ def prepare_job(
         input_sha256=sha,
         output=output,
         report=report,
-        format=kind,
+        format=kind.name,
         endpoint=endpoint,
         model=str(model_path),
         model_name=model_name,
@@ -306,11 +317,11 @@ def prepare_job(
     return job
 
 
-def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: FileFormat) -> None:
+def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: Format) -> None:
     targets = []
     for n, rng in enumerate(ranges):
         job.shard_dir(n).mkdir(parents=True, exist_ok=True)
-        for name in layout.CHECKPOINT_FILES.values():  # the input changed: old results no longer apply
-            (job.shard_dir(n) / name).unlink(missing_ok=True)
-        targets.append((job.requests_path(n, kind), rng.size))
-    FORMATS[kind].split_staging(staging, targets)
+        for each in FORMATS.values():  # the input changed: old results no longer apply
+            (job.shard_dir(n) / each.checkpoint_file).unlink(missing_ok=True)
+        targets.append((job.requests_path(n, kind.name), rng.size))
+    kind.split_staging(staging, targets)

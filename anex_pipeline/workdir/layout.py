@@ -4,8 +4,8 @@
         job.json                  the manifest (what the job is, how its rows are sharded)
         input/                    an s3:// input, copied here by the Dagster submit step
         rows.staging              the accepted rows while the submit step reads the input
-        shards/<NN>/requests.*    a shard's requests (the name is its format's SHARD_FILE)
-        shards/<NN>/results.*     a shard's checkpoint of finished rows (see CHECKPOINT_FILES)
+        shards/<NN>/requests.*    a shard's requests (the name is its format's shard_file)
+        shards/<NN>/results.*     a shard's checkpoint of finished rows (its format's checkpoint_file)
         shards/<NN>/media.jsonl   the shard's rows whose media could not be fetched
         estimate.json             the output-length estimate
         estimate_sample.jsonl     the rows generated for the estimate
@@ -33,7 +33,6 @@ MANIFEST = "job.json"
 INPUT_DIR = "input"
 STAGING = "rows.staging"
 SHARDS_DIR = "shards"
-CHECKPOINT_FILES = {"jsonl": "results.jsonl", "parquet": "results.arrow"}  # by the job's format
 MEDIA_FAILURES = "media.jsonl"
 ESTIMATE = "estimate.json"
 ESTIMATE_SAMPLE = "estimate_sample.jsonl"

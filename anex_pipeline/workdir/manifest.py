@@ -16,18 +16,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 from pydantic import BaseModel
 
 from anex_pipeline.formats import (
     FileFormat,
-    InputRow,
     StoredOutcome,
-    arrow_checkpoint,
     write_error,
 )
 from anex_pipeline.formats.registry import FORMATS
-from anex_pipeline.spec import Endpoint, JobOptions, RowOutcome
+from anex_pipeline.spec import Endpoint, InputRow, JobOptions, JobReport, RowOutcome
 from anex_pipeline.workdir import layout
 
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
@@ -83,6 +80,16 @@ def make_job_id(input_path: Path, *identity: Any) -> str:
     return f"{stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:10]}"
 
 
+def read_report(path: Path) -> JobReport | None:
+    """The job report at ``path`` (a work folder's, or one published beside a result), or None
+    when there is none; a file cut short or not a report raises ValueError."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return JobReport.model_validate_json(text)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Writes a file so that readers see the old content or the new, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -134,12 +141,12 @@ class JobDir:
         return self.root / layout.SHARDS_DIR / shard_key(shard)
 
     def requests_path(self, shard: int, kind: FileFormat) -> Path:
-        return self.shard_dir(shard) / FORMATS[kind].SHARD_FILE
+        return self.shard_dir(shard) / FORMATS[kind].shard_file
 
     def checkpoint_path(self, shard: int, manifest: JobManifest | None = None) -> Path:
         """The shard's finished rows: JSON lines for a JSONL job, Arrow columns for a Parquet one
         (``manifest``: the job's, when the caller has read it already)."""
-        return self.shard_dir(shard) / layout.CHECKPOINT_FILES[(manifest or self.manifest()).format]
+        return self.shard_dir(shard) / FORMATS[(manifest or self.manifest()).format].checkpoint_file
 
     @property
     def estimate_path(self) -> Path:
@@ -153,6 +160,11 @@ class JobDir:
     def report_path(self) -> Path:
         """The report the merge writes, before it is published."""
         return self.root / layout.REPORT
+
+    def report(self) -> JobReport | None:
+        """The report the merge wrote, or None before the job has been merged (see
+        :func:`read_report`)."""
+        return read_report(self.report_path)
 
     @property
     def timings_path(self) -> Path:
@@ -191,16 +203,11 @@ class JobDir:
     def outcomes(self, shard: int) -> Iterator[StoredOutcome]:
         """The latest outcome of each row of the shard that has one, by row order. A JSONL job's
         bodies stay the stored JSON and its checkpoint is streamed, never read whole (see
-        :func:`latest_records`); a Parquet job's answers stay in :meth:`answers`."""
+        :func:`latest_records`); a Parquet job's answers stay in the checkpoint's columns."""
         manifest = self.manifest()
         path = self.checkpoint_path(shard, manifest)
         rng = manifest.shards[shard]
         return FORMATS[manifest.format].checkpoint_outcomes(path, rng.start, rng.stop, manifest.endpoint)
-
-    def answers(self, shard: int) -> Iterator[pa.Table]:
-        """A Parquet job's shard checkpoint as columns: the latest row per index, by index."""
-        manifest = self.manifest()
-        return arrow_checkpoint.latest(self.checkpoint_path(shard, manifest), manifest.endpoint)
 
     def finished_rows(self, shard: int) -> set[int]:
         """The indices of the shard's rows whose latest outcome succeeded."""
@@ -235,6 +242,16 @@ class JobDir:
 
     def record_stop(self, reason: str) -> None:
         atomic_write_text(self.stop_path, json.dumps({"reason": reason, "at": time.time()}))
+
+    def stop_reason(self) -> str | None:
+        """Why the job was asked to stop, from its stop file; None when it has none. A stop file
+        that is torn or not written by :meth:`record_stop` still means the job was asked to stop."""
+        try:
+            return str(json.loads(self.stop_path.read_text())["reason"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return "the job was asked to stop"
 
 
 def unfinished_shards(job: JobDir) -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from anex_pipeline_tests.harness.ports import free_port
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MiB; nothing here puts objects in it
 STARTUP_S = 300.0  # a busy 2-core machine took over 120 s for one node
@@ -40,12 +41,6 @@ HOST_RESOURCE = "anex-host-"  # a custom resource naming each node's hostname, t
 
 def ray_command() -> str:
     return str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.2) -> object:

@@ -22,8 +22,7 @@ from typing import IO, Any
 import dagster as dg
 
 from anex_pipeline import metrics
-from anex_pipeline.batch_api.objects import BatchRecord, FileRecord, new_id, now
-from anex_pipeline.batch_api.webhooks import batch_event
+from anex_pipeline.batches.objects import BatchRecord, FileRecord, batch_event, new_id, now
 from anex_pipeline.workdir import layout
 
 PREFIX = "anex.batch_api."

@@ -8,7 +8,6 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg2
+
+from anex_pipeline_tests.harness.ports import free_port
 
 # The OS user that runs the server when we run as root (initdb and postgres refuse root);
 # Debian's postgresql package creates it.
@@ -42,12 +43,6 @@ def postgres_bin_dir() -> Path | None:
     found = [p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")]
     found.sort(key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else -1)
     return found[-1] if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

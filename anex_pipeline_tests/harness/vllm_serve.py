@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from anex_pipeline.engine.cpu_environment import engine_environment
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.orphans import signal_child_group
+from anex_pipeline.engine.vllm.cpu_environment import engine_environment
+from anex_pipeline_tests.harness.ports import free_port
 
 START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

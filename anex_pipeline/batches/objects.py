@@ -21,6 +21,12 @@ BatchStatus = Literal[
 ]
 TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 MAX_EXPIRY_S = 30 * 24 * 3600  # the longest expiry OpenAI accepts
+EVENT_TYPES = {
+    "completed": "batch.completed",
+    "failed": "batch.failed",
+    "cancelled": "batch.cancelled",
+    "expired": "batch.expired",
+}
 
 
 def new_id(prefix: str) -> str:
@@ -29,6 +35,17 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def batch_event(batch_id: str, status: str) -> dict[str, Any]:
+    """The event a batch that ended with ``status`` sends, with the fields of OpenAI's."""
+    return {
+        "id": new_id("evt_"),
+        "object": "event",
+        "type": EVENT_TYPES[status],
+        "created_at": now(),
+        "data": {"id": batch_id},
+    }
 
 
 class ApiError(AnexError):

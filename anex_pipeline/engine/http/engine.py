@@ -3,12 +3,16 @@
 Each row becomes one HTTP request to ``/v1/chat/completions``, ``/v1/completions`` or
 ``/v1/embeddings``, carrying the row's body with the job's resolved values applied. With several
 servers (replicas of one model), rows are spread over them, ``max_concurrency`` in flight per
-server (:mod:`anex_pipeline.engine.replicas`). A row is tried again, on another server when it can,
+server (:mod:`anex_pipeline.engine.http.replicas`). A row is tried again, on another server when it can,
 after a 408, 429 or 5xx answer or when its server gives no answer (which also takes that server out
 until it answers a probe); waits follow the shared retry policy (a server's ``Retry-After`` wins).
 What the server answers is what the row gets: a success body passes through untouched (embedding
 vectors are scaled to unit length), and an error answer becomes the row's error with the server's
 status code.
+
+At about 430 lines this module holds one idea, the stream that keeps every server's slots full
+with its retries and the mapping between a row and its HTTP request and answer; the replicas'
+bookkeeping lives in :mod:`.replicas`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from anex_pipeline.engine.base import EngineRequest, StopCheck, collect
+from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, unit_vector
-from anex_pipeline.engine.replicas import Server, ServerPool, ServersDown, server_root, server_urls
+from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.request_fields import PROMPT_FIELDS
@@ -91,7 +95,7 @@ class _Tried:
     reason: str = ""
 
 
-class OpenAIHttpEngine:
+class OpenAIHttpEngine(Engine):
     """Runs rows on one or several OpenAI-compatible HTTP servers serving the same model."""
 
     def __init__(self, settings: HttpSettings):
@@ -115,6 +119,9 @@ class OpenAIHttpEngine:
         self.root = ", ".join(s.root for s in servers)
         self.pool = ServerPool(servers, per_server, settings.policy)
         self.model_name = ""
+        # The machine server's account of itself when the loader started the server behind this
+        # engine (the report then shows it instead of the address).
+        self.server_account: dict[str, Any] | None = None
         try:
             self._first_contact()
         except BaseException:
@@ -124,6 +131,11 @@ class OpenAIHttpEngine:
     def shutdown(self) -> None:
         for server in self.pool.servers:
             server.client.close()
+
+    def report_section(self) -> dict[str, Any]:
+        if self.server_account is not None:
+            return self.server_account
+        return {"kind": "http", "model": self.model_name, "servers": self.root}
 
     def served_rows(self) -> dict[str, int]:
         """Rows each server answered over the engine's life."""

@@ -19,11 +19,26 @@ from multiprocessing import Pipe, connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from anex_pipeline.errors import AnexError
+from anex_pipeline.errors import EngineProcessDied
 
 
-class EngineProcessDied(AnexError, RuntimeError):
-    """vLLM's engine process ended during a call; the engine cannot be used any more."""
+class EngineWatch:
+    """Whether an engine's vLLM engine process has died, as the calls it watched found."""
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    @contextmanager
+    def call(self, llm: Any) -> Iterator[None]:
+        """Runs the body under :func:`watch_engine`: a dead engine process fails the call instead
+        of hanging it, and marks the engine dead for good (the loader then replaces it, so the
+        shard's retry gets a new one)."""
+        try:
+            with watch_engine(llm):
+                yield
+        except EngineProcessDied:
+            self.dead = True
+            raise
 
 
 def engine_processes(llm: Any) -> list[BaseProcess]:

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 
 from anex_pipeline import cli
-from anex_pipeline.engine import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline_tests.fakes import FakeEngine
+from anex_pipeline.testing import FakeEngine
 
 
 class SlowFakeEngine(FakeEngine):

@@ -5,6 +5,6 @@ code themselves, so the engine cannot be swapped from the test. Work files go to
 from __future__ import annotations
 
 from anex_pipeline.orchestration.definitions import build_definitions
-from anex_pipeline_tests.fakes import fake_engine
+from anex_pipeline.testing import fake_engine
 
 defs = build_definitions(engine=fake_engine())

@@ -2,25 +2,30 @@
 
 # No "from __future__ import annotations" here: Dagster reads the op's resource annotations.
 
-import os
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
+from anex_pipeline import settings
+from anex_pipeline.job_admin import parse_age, prune
 from anex_pipeline.orchestration.ray_executor import OTHER_STEP
-from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.retention import parse_age, prune
+from anex_pipeline.orchestration.resources import StorageResource, from_environment
 
 
 class RetentionSettings(dg.ConfigurableResource):
     """How long a job's work is kept after its last activity."""
 
     max_age: str = Field(
-        default_factory=lambda: os.environ.get("ANEX_RETENTION_MAX_AGE", "30d"),
+        default=settings.RETENTION_MAX_AGE.default,
         description="Jobs not active for longer than this are removed (work folder and Dagster history; "
         "results stay), e.g. 7d, 12h.",
     )
+
+    @classmethod
+    def from_environment(cls) -> "RetentionSettings":
+        """The settings the environment gives (ANEX_RETENTION_MAX_AGE), as ``dg.EnvVar``."""
+        return cls(**from_environment(cls, {"max_age": settings.RETENTION_MAX_AGE}))
 
 
 @dg.op(
@@ -45,14 +50,16 @@ def prune_job() -> None:
     prune_jobs()
 
 
-prune_old_jobs = dg.ScheduleDefinition(
-    name="prune_old_jobs",
-    job=prune_job,
-    cron_schedule=os.environ.get("ANEX_RETENTION_CRON", "30 3 * * *"),
-    default_status=dg.DefaultScheduleStatus.STOPPED,
-    description=(
-        "Removes jobs not active for longer than max_age (ANEX_RETENTION_MAX_AGE, default 30d) that are not "
-        "running, with their Dagster runs and partition keys, and the Batch API's expired files; result files "
-        "stay. Daily by default (ANEX_RETENTION_CRON)."
-    ),
-)
+def prune_old_jobs() -> dg.ScheduleDefinition:
+    """The schedule, on the cron of ANEX_RETENTION_CRON as it is when the definitions load."""
+    return dg.ScheduleDefinition(
+        name="prune_old_jobs",
+        job=prune_job,
+        cron_schedule=settings.RETENTION_CRON.get(),
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+        description=(
+            "Removes jobs not active for longer than max_age (ANEX_RETENTION_MAX_AGE, default 30d) that are not "
+            "running, with their Dagster runs and partition keys, and the Batch API's expired files; result files "
+            "stay. Daily by default (ANEX_RETENTION_CRON)."
+        ),
+    )

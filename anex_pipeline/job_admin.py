@@ -33,12 +33,11 @@ from typing import Any
 
 import dagster as dg
 
-from anex_pipeline.batch_api.objects import BatchRecord, FileRecord
-from anex_pipeline.batch_api.store import Store
+from anex_pipeline.batches.objects import BatchRecord, FileRecord
+from anex_pipeline.batches.store import Store
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.orchestration.partitions import JOBS, forget_job, shard_keys_on
 from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
-from anex_pipeline.spec import JobReport
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, try_lease
 from anex_pipeline.workdir.manifest import JobDir
@@ -132,8 +131,8 @@ def in_flight_jobs(instance: dg.DagsterInstance) -> set[str]:
 def job_status(job: JobDir, in_flight: set[str]) -> str:
     if job.job_id in in_flight or driven_by_cli(job):
         return "running"
-    report = job.report_path
-    return JobReport.model_validate_json(report.read_text()).status if report.exists() else "unfinished"
+    report = job.report()
+    return report.status if report is not None else "unfinished"
 
 
 def folder_problem(job: JobDir) -> str | None:

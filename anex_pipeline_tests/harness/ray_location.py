@@ -12,12 +12,12 @@ import socket
 import time
 from pathlib import Path
 
-from anex_pipeline.engine import register_engine
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings
 from anex_pipeline.spec import RowOutcome
-from anex_pipeline_tests.fakes import FakeEngine, fake_engine
+from anex_pipeline.testing import FakeEngine, fake_engine
 
 ROW_SECONDS = 0.2
 LOG_NAME = "generated.log"

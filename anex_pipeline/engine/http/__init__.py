@@ -1,0 +1,2 @@
+"""The engine that sends rows to OpenAI-compatible servers (:mod:`.engine`) and the replicas it
+spreads them over (:mod:`.replicas`)."""

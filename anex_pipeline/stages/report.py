@@ -1,0 +1,78 @@
+"""The job report: what the merge counted, the job's stop reason, estimate, timings and cost,
+as one :class:`~anex_pipeline.spec.JobReport`. The merge writes it into the work folder, where
+:meth:`~anex_pipeline.workdir.manifest.JobDir.report` reads it back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
+from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.workdir.manifest import JobDir, JobManifest
+from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
+
+if TYPE_CHECKING:
+    from anex_pipeline.stages.merge import RowTally
+
+
+def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobReport:
+    """The report of the job whose checkpoints the merge counted into ``tally``: completed when
+    every row has a result, else stopped early (failed when none has), with the stop's reason."""
+    counts = tally.counts
+    counts.total = manifest.total_rows
+    usage = tally.usage
+    delivered = counts.completed + counts.failed
+    status: JobStatus = "completed"
+    reason = None
+    if delivered < counts.total:
+        stop = job.stop_reason()
+        missing = counts.total - delivered
+        reason = stop or f"{missing} of {counts.total} rows have no result: their shards did not finish"
+        status = "stopped_early"
+        if counts.nothing_delivered():
+            status, reason = "failed", f"{reason}; no row has a result, so no result file is published"
+    timings = read_timings(job)
+    busy = timings.get("generate", 0.0) + timings.get("estimate", 0.0)
+    throughput = Throughput(
+        rows_per_s=round(delivered / busy, 3) if busy else 0.0,
+        output_tokens_per_s=round(usage.completion_tokens / busy, 3) if busy else 0.0,
+    )
+    return JobReport(
+        job_id=manifest.job_id,
+        status=status,
+        failure_reason=reason,
+        input=manifest.input,
+        output=manifest.output,
+        model=manifest.model_name,
+        endpoint=manifest.endpoint,
+        request_counts=counts,
+        error_counts=dict(tally.errors),
+        usage=usage,
+        estimate=read_estimate(job),
+        timings=timings,
+        throughput=throughput,
+        output_tokens=tally.length_percentiles(),
+        reused_answer_rows=tally.reused,
+        reused_sample_rows=_reused_sample_rows(job, manifest),
+        served_by=read_served(job),
+        engine=read_engine(job),
+        cost=_cost(manifest, usage),
+    )
+
+
+def _reused_sample_rows(job: JobDir, manifest: JobManifest) -> int:
+    """Sample answers that stand as their rows' answers, in the shards that have run."""
+    reused = reusable_samples(job, read_estimate(job), 0, manifest.total_rows)
+    ran = [rng for shard, rng in enumerate(manifest.shards) if job.checkpoint_path(shard, manifest).exists()]
+    return sum(1 for i in reused if any(rng.start <= i < rng.stop for rng in ran))
+
+
+def _cost(manifest: JobManifest, usage: Usage) -> float | None:
+    prices = manifest.job_options().prices
+    if prices is None:
+        return None
+    cached = usage.cached_prompt_tokens if prices.cached_input_per_1k is not None else 0
+    total = (usage.prompt_tokens - cached) / 1000 * prices.input_per_1k
+    total += cached / 1000 * (prices.cached_input_per_1k or 0.0)
+    total += usage.completion_tokens / 1000 * prices.output_per_1k
+    return round(total, 6)

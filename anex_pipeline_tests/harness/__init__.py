@@ -1,0 +1,1 @@
+"""What the tests share besides fixtures: fake servers and code locations, tiny models, job helpers."""
