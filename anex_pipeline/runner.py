@@ -97,6 +97,7 @@ class JobRunner:
                 work_root,
                 report=report,
                 local_model=not self.engine.base_url,
+                adapters=self.engine.lora_modules,
                 s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
                 options_file=Path(options_file) if options_file else None,
                 results_in=results_in,

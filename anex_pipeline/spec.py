@@ -67,6 +67,9 @@ class JobOptions(_Strict):
 
     model: str | None = None
     endpoint: Endpoint | None = None
+    # LoRA adapters by name (a local folder or a Hugging Face id): rows choose one by body.model
+    lora_modules: dict[str, str] | None = None
+    adapter: str | None = None  # the adapter of the rows that name no model (every Parquet row)
     response_format: dict[str, Any] | None = None
     reasoning: bool | None = None
     reasoning_budget: int | None = Field(default=None, ge=0)
@@ -282,6 +285,8 @@ class JobReport(BaseModel):
     reused_answer_rows: int = 0
     # Rows whose answer is the one the length-estimation sample already generated.
     reused_sample_rows: int = 0
+    # Rows per model they asked for (the base model and each adapter), when the job has adapters.
+    rows_by_model: dict[str, int] = Field(default_factory=dict)
     # Generated rows each model server answered (the HTTP engine), or each host whose in-process engine did.
     served_by: dict[str, int] = Field(default_factory=dict)
     # The engine the rows ran on: kind, model, vLLM version, its engine arguments and context.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from anex_pipeline.media.refs import part_reference, reference_problem
@@ -21,6 +21,20 @@ from anex_pipeline.spec import (
     UNKNOWN_PARAMETER,
     Endpoint,
 )
+
+
+class ModelNames(frozenset[str]):
+    """The names a row may give as ``body.model``: each spelling of the job's model (``base`` is
+    the one responses carry) and the job's LoRA adapters."""
+
+    base: str
+    adapters: tuple[str, ...]
+
+    def __new__(cls, base: str, spellings: Iterable[str] = (), adapters: Iterable[str] = ()) -> ModelNames:
+        adapters = tuple(sorted(adapters))
+        names = super().__new__(cls, {base, *spellings, *adapters})
+        names.base, names.adapters = base, adapters
+        return names
 
 
 class FieldProblem(NamedTuple):
@@ -152,14 +166,7 @@ def check_body(
             FieldProblem("body.model", f"must be the model's name as a string, got {kind_of(model)}", INVALID_TYPE)
         )
     elif model is not None and model not in model_names:
-        wanted = sorted(model_names)[0]
-        problems.append(
-            FieldProblem(
-                "body.model",
-                f"is '{model}' but this job runs '{wanted}' (one model per job); "
-                "remove body.model or submit the job with --model set to it",
-            )
-        )
+        problems.append(FieldProblem("body.model", _unknown_model(model, model_names)))
     if endpoint == "chat":
         problems += _check_messages(body.get("messages"))
     elif endpoint == "responses":
@@ -194,6 +201,22 @@ def check_body(
             FieldProblem("body.chat_template_kwargs", f"must be an object, got {kind_of(kwargs)}", INVALID_TYPE)
         )
     return problems
+
+
+def _unknown_model(model: str, model_names: frozenset[str]) -> str:
+    """The message for a row naming a model the job does not run: neither its model nor an adapter."""
+    base = model_names.base if isinstance(model_names, ModelNames) else sorted(model_names)[0]
+    adapters = model_names.adapters if isinstance(model_names, ModelNames) else ()
+    if not adapters:
+        return (
+            f"is '{model}' but this job runs '{base}' (one model per job); "
+            "remove body.model, submit the job with --model set to it, or add it as an adapter "
+            f"(--lora-modules {model}=PATH)"
+        )
+    return (
+        f"is '{model}', which is neither this job's model '{base}' nor one of its adapters "
+        f"({', '.join(adapters)}); name one of those, or add the adapter with --lora-modules {model}=PATH"
+    )
 
 
 TOOL_CHOICES = ("none", "auto", "required")

@@ -11,7 +11,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from anex_pipeline_tests.harness.batch_api import (
     wait,
     wait_for_rows,
 )
+from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.jobs import write_jsonl
 from anex_pipeline_tests.harness.ports import free_port
 
@@ -352,9 +352,7 @@ def test_run_serves_its_metrics_while_the_job_runs(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "ANEX_FAKE_ROW_DELAY_S": "0.1"}
     command = [
-        sys.executable,
-        "-m",
-        "anex_pipeline_tests.harness.fake_cli",
+        *FAKE_CLI,
         "run",
         str(src),
         "-o",

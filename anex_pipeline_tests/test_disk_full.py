@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 ROWS = 300
@@ -48,7 +48,7 @@ def cli(tmp: Path, work: Path, *args: str, delay: float = 0.0, home: Path | None
         "DAGSTER_HOME": str(home or tmp / "dagster"),
         "ANEX_FAKE_ROW_DELAY_S": str(delay),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", *args, "--quiet"]
+    command = [*FAKE_CLI, *args, "--quiet"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -28,6 +28,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
 from anex_pipeline.storage import output_problem
 from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait
+from anex_pipeline_tests.harness.deployment import dummy_aws_credentials
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 ABSENT = "no-such-org/no-such-model"
@@ -236,13 +237,7 @@ def test_run_and_validate_read_an_s3_input(
 @pytest.fixture
 def silent_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An S3 endpoint on loopback that accepts every connection and never answers."""
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "test-key",
-        "AWS_SECRET_ACCESS_KEY": "test-secret",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "NO_PROXY": "127.0.0.1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    dummy_aws_credentials(monkeypatch)
     listener = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
     done = threading.Event()

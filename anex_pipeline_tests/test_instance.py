@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 PROCESSES = 4
@@ -56,9 +57,7 @@ def test_first_runs_at_once_share_one_new_home(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("r0", "hello")])
     run = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "anex_pipeline_tests.harness.fake_cli",
+            *FAKE_CLI,
             "run",
             str(src),
             "-o",

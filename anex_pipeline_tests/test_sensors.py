@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from anex_pipeline.orchestration.retries import RetrySettings
 from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
+from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.deployment import Deployment, local_deployment, storage_for, submitted
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, local_instance, read_jsonl, write_jsonl
 
@@ -441,9 +441,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "ANEX_WORK_DIR": str(work), "DAGSTER_HOME": str(home), "ANEX_FAKE_ROW_DELAY_S": "10"}
     command = [
-        sys.executable,
-        "-m",
-        "anex_pipeline_tests.harness.fake_cli",
+        *FAKE_CLI,
         "run",
         str(src),
         "-o",

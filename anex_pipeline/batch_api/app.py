@@ -396,7 +396,7 @@ def create_app(
             "(none are stored from an earlier start)"
         )
     worker = BatchWorker(runner, store, max_running_batches)
-    served = ServedModels(models)
+    served = ServedModels(models, adapters=list(runner.engine.lora_modules))
     api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served)
     store.keep_events = webhook is not None
     sender = WebhookSender(store, webhook) if webhook is not None else None

@@ -59,8 +59,9 @@ class ServedModels:
     on the hub: every other name gets the same refusal, whatever it is, so a model name cannot
     probe the server's files, nor make the shared engine load another model."""
 
-    def __init__(self, names: Sequence[str] = ()):
+    def __init__(self, names: Sequence[str] = (), adapters: Sequence[str] = ()):
         self.names = tuple(names)
+        self.adapters = tuple(sorted(adapters))  # the operator's LoRA adapters (serve --lora-modules)
         self._served = {_reference(n) for n in self.listed()}
         if self.names:
             served = f"it serves {', '.join(self.names)}; a batch that names no model runs {self.names[0]}"
@@ -72,8 +73,31 @@ class ServedModels:
         self._refusal = f"This service does not serve the model the batch names: {served}."
 
     def listed(self) -> tuple[str, ...]:
-        """The names ``GET /v1/models`` lists: the operator's, else the default models."""
-        return self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)
+        """The names ``GET /v1/models`` lists: the operator's, else the default models, then the
+        adapters."""
+        return (self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)) + self.adapters
+
+    def check_adapters(self, options: dict[str, Any]) -> None:
+        """A 400 for a batch that brings adapters of its own (``lora_modules``: a path of the
+        service's machine is never the caller's to name) or makes one the service lacks its
+        ``adapter``; rows name the operator's adapters in ``body.model``, checked with the rows."""
+        if "lora_modules" in options:
+            raise ApiError(
+                400,
+                "Batches cannot bring LoRA adapters (lora_modules): this service serves "
+                + (f"the adapters {', '.join(self.adapters)}" if self.adapters else "none")
+                + "; name one in each row's body.model or in the option adapter.",
+                param=f"{OPTIONS_METADATA_KEY}.lora_modules",
+            )
+        asked = options.get("adapter")
+        if asked is not None and asked not in self.adapters:
+            served = f"it serves {', '.join(self.adapters)}" if self.adapters else "it serves no adapters"
+            raise ApiError(
+                400,
+                f"This service does not serve the adapter the batch names: {served}.",
+                param=f"{OPTIONS_METADATA_KEY}.adapter",
+                code=MODEL_NOT_FOUND,
+            )
 
     def model_for(self, asked: Any, param: str) -> Any:
         """The model a batch runs (None: the job's default), or a 400 naming ``param`` when the
@@ -125,6 +149,7 @@ def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) 
             raise ApiError(400, f"{exc}.", param=f"metadata.{OPTIONS_METADATA_KEY}", code=exc.code) from None
     options.update(body.anex_options or {})
     check_option_sizes(options)
+    models.check_adapters(options)
     options["media"] = narrowed_media(options.get("media"), media)
     asked, where = options.pop("model", None), f"{OPTIONS_METADATA_KEY}.model"
     if asked is None:

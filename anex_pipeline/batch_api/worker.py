@@ -106,7 +106,10 @@ class BatchWorker:
             endpoint="chat",
             model=reference,
             model_name=name,
-            options={} if model is None else {"model": model},
+            options={
+                **({} if model is None else {"model": model}),
+                **({"lora_modules": adapters} if (adapters := self.runner.engine.lora_modules) else {}),
+            },
             total_rows=0,
             shards=[],
             submitted_at=time.time(),

@@ -38,6 +38,7 @@ def _progress_logging(quiet: bool) -> None:
 
 def _runner(args: argparse.Namespace) -> Any:
     from anex_pipeline.console import PROGRESS_LOGGER, quiet_engine_output
+    from anex_pipeline.engine.adapters import lora_modules_of
     from anex_pipeline.engine.config import EngineConfig
     from anex_pipeline.paths import default_work_root
     from anex_pipeline.runner import JobRunner
@@ -58,6 +59,7 @@ def _runner(args: argparse.Namespace) -> Any:
         base_url=_base_url(args.base_url),
         api_key=args.api_key or settings.API_KEY.get() or None,
         max_concurrency=args.max_concurrency,
+        lora_modules=lora_modules_of(getattr(args, "engine_lora_modules", None) or []),
         **({"engine_args": given} if given is not None else {}),
     )
     _progress_logging(args.quiet)
@@ -254,12 +256,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
+    from anex_pipeline.engine.adapters import adapter_problems
     from anex_pipeline.spec import JobRejected, Problem
     from anex_pipeline.stages.submit import Problems, check_input, model_problems
 
     kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
-    problems = Problems([] if settings.ENGINE_BASE_URL.get() else model_problems(options.model))
+    local = not settings.ENGINE_BASE_URL.get()
+    problems = Problems((model_problems(options.model) if local else []) + adapter_problems(options, endpoint, local))
     count = 0
     for item in rows:
         if isinstance(item, Problem):

@@ -134,6 +134,13 @@ def _add_option_flags(p: argparse.ArgumentParser) -> None:
         "--media-allowed-host", action="append", default=None, metavar="HOST", help="allow media from HOST (repeatable)"
     )
     g.add_argument(
+        "--lora-modules",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="a LoRA adapter of the job (local folder or HF id; repeatable): rows whose body.model is NAME run on it",
+    )
+    g.add_argument(
         "--set", action="append", default=[], metavar="KEY=JSON", help="any other option, e.g. --set prices='{...}'"
     )
 
@@ -252,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
         "runs the first (default: only the embedded models, each the default of its endpoint)",
     )
     srv.add_argument(
+        "--lora-modules",
+        action="append",
+        default=None,
+        dest="engine_lora_modules",
+        metavar="NAME=PATH",
+        help="a LoRA adapter batches may name in body.model (local folder or HF id; repeatable); batches name "
+        "adapters of this list only, never a path",
+    )
+    srv.add_argument(
         "--max-running-batches",
         type=int,
         default=4,
@@ -345,6 +361,12 @@ def collect_options(args: argparse.Namespace) -> dict[str, Any]:
             raw[name] = getattr(args, name)
     if args.response_format:
         raw["response_format"] = _json_arg("--response-format", args.response_format)
+    if args.lora_modules:
+        from anex_pipeline.engine.adapters import lora_modules_of
+
+        modules = raw.get("lora_modules") or {}
+        if isinstance(modules, dict):  # anything else is left for the option check to reject
+            raw["lora_modules"] = {**modules, **lora_modules_of(args.lora_modules)}
     if args.media_allowed_host:
         media = raw.get("media", {})  # anything but an object is left for the option check to reject
         raw["media"] = {**media, "allowed_hosts": args.media_allowed_host} if isinstance(media, dict) else media

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anex_pipeline.engine import prefix_order
+from anex_pipeline.engine.adapters import row_adapter
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
@@ -50,6 +51,7 @@ class EngineRequest:
     # Logprobs for every generated token, with this many alternatives each; None: no logprobs.
     logprobs: int | None = None
     choices: int = 1  # the row's n: answers generated for its prompt
+    adapter: str | None = None  # the LoRA adapter the row runs on (its name); None: the base model
 
     @property
     def constraint_field(self) -> str | None:
@@ -164,6 +166,7 @@ def resolve_request(
         respond=row.respond,
         logprobs=logprobs_asked(endpoint, body),
         choices=body.get("n") or 1,
+        adapter=row_adapter(body, options.lora_modules, options.adapter),
     )
 
 

@@ -42,6 +42,11 @@ class EngineConfig(BaseModel):
         '"quantization": "fp8"}: the in-process engine and the machine\'s model server get the same ones '
         "(default: $ANEX_ENGINE_ARGS, a JSON object).",
     )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description='LoRA adapters of every generation job this engine runs, by name: {"name": "local folder or '
+        "HF id\"}; they join each job's own lora_modules at submit, and rows choose one by body.model.",
+    )
     base_url: str | None = Field(
         default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
         description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "

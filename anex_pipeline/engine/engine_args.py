@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.engine.adapters import lora_kwargs
 from anex_pipeline.errors import RejectedError
 
 # Arguments the pipeline sets itself, and what a user sets instead.
@@ -181,7 +182,8 @@ def canonical(args: dict[str, Any]) -> str:
 def engine_kwargs(settings: Any, on_cpu: bool) -> dict[str, Any]:
     """The engine arguments one engine is built with, for in-process engine settings
     (``vllm.engine.EngineSettings``): the pipeline's own, then the user's, which may override the
-    pipeline's defaults (``enforce_eager``, say). ``LLM(**kwargs)`` takes them as they are and the
+    pipeline's defaults (``enforce_eager``, say); with LoRA adapters, the engine is sized for them
+    (:func:`~anex_pipeline.engine.adapters.lora_kwargs`). ``LLM(**kwargs)`` takes them as they are and the
     machine's model server as :func:`cli_flags`, so both load the same engine. An unset
     ``max_model_len`` is vLLM's auto-fit (-1): the model's context, or what the KV cache holds."""
     kwargs: dict[str, Any] = {
@@ -192,5 +194,6 @@ def engine_kwargs(settings: Any, on_cpu: bool) -> dict[str, Any]:
         "gpu_memory_utilization": settings.memory_share or (0.3 if on_cpu else 0.9),
         "enforce_eager": on_cpu,
         "seed": 0,
+        **lora_kwargs(json.loads(settings.lora_modules), on_cpu),
     }
     return {**kwargs, **json.loads(settings.engine_args)}

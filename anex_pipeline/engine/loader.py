@@ -137,6 +137,7 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         engine_args=canonical(config.engine_args),
         reasoning_parser=parsers.reasoning,
         tool_parser=parsers.tool,
+        lora_modules=canonical(manifest.job_options().lora_modules or {}),
     )
 
 
@@ -155,6 +156,7 @@ def _http_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
         base_url=servers,
         model_name=manifest.model_name,
         model_named="model" in manifest.options,
+        adapters=tuple(sorted(manifest.job_options().lora_modules or {})),
         api_key=config.api_key,
         max_concurrency=config.max_concurrency,
         timeout_s=config.timeout_s,

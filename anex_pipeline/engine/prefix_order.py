@@ -54,17 +54,25 @@ def shared_blocks(a: Sequence[int], b: Sequence[int], block: int) -> int:
     return n
 
 
-def prefix_order(prompts: Sequence[Sequence[int] | None], cache: PrefixCache) -> list[int] | None:
+def prefix_order(
+    prompts: Sequence[Sequence[int] | None], cache: PrefixCache, adapters: Sequence[str | None] | None = None
+) -> list[int] | None:
     """The positions of ``prompts`` in the order to run them, or None when file order is as good
     (no prefix worth keeping together, or all of them fit in the cache at once). A prompt that is
-    None (it could not be rendered) goes last, where the engine refuses it as it would anyway."""
+    None (it could not be rendered) goes last, where the engine refuses it as it would anyway.
+    ``adapters``: each prompt's LoRA adapter (None: the base model); vLLM caches the blocks of
+    each adapter apart, so prompts share a prefix only with prompts of the same adapter."""
     block = cache.block_tokens
+    lanes = adapters or [None] * len(prompts)
     known = [i for i, p in enumerate(prompts) if p is not None]
     # Any fixed-width encoding sorts prompts that share a start next to each other.
-    keys = {i: array("i", prompts[i]).tobytes() for i in known}  # type: ignore[arg-type]
+    keys = {i: (lanes[i] is not None, lanes[i] or "", array("i", prompts[i]).tobytes()) for i in known}  # type: ignore[arg-type]
     ranked = sorted(known, key=keys.__getitem__)
     del keys
-    lcp = [shared_blocks(prompts[a], prompts[b], block) for a, b in itertools.pairwise(ranked)]  # type: ignore[arg-type]
+    lcp = [
+        shared_blocks(prompts[a], prompts[b], block) if lanes[a] == lanes[b] else 0  # type: ignore[arg-type]
+        for a, b in itertools.pairwise(ranked)
+    ]
     # Tokens of every distinct block prefix that two rows or more share: what the cache must hold.
     shared = sum(max(0, now - before) for before, now in zip([0, *lcp], lcp, strict=False))
     if shared * 2 <= cache.capacity_tokens:
@@ -103,6 +111,6 @@ def ordered(
             if stop is not None and n % STOP_CHECK_ROWS == 0:
                 stop()
             prompts.append(engine.prompt_tokens(req))
-        order = prefix_order(prompts, cache)
+        order = prefix_order(prompts, cache, [getattr(req, "adapter", None) for req in batch])
         del prompts
         yield from batch if order is None else (batch[i] for i in order)

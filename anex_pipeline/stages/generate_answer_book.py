@@ -45,6 +45,8 @@ def fingerprint(req: EngineRequest) -> str | None:
         req.parse_thinking,
         req.parse_tool_calls,
     ]
+    if req.adapter is not None:  # the job's adapter shapes the answer of a row that names none
+        shape.append(req.adapter)
     return hashlib.sha256(msgspec.json.encode(shape, order="sorted")).hexdigest()
 
 

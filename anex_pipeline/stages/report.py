@@ -54,6 +54,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         output_tokens=tally.length_percentiles(),
         reused_answer_rows=tally.reused,
         reused_sample_rows=_reused_sample_rows(job, manifest),
+        rows_by_model=manifest.rows_by_model,
         served_by=read_served(job),
         engine=read_engine(job),
         cost=_cost(manifest, usage),

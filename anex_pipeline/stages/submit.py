@@ -10,10 +10,12 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.engine.adapters import adapter_problems, row_adapter
 from anex_pipeline.engine.models import model_unavailable, resolve_model
 from anex_pipeline.formats.base import Format
 from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
@@ -21,6 +23,7 @@ from anex_pipeline.options import sidecar_of
 from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, JobRejected, Problem
 from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
+from anex_pipeline.validate import ModelNames
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
     JobDir,
@@ -121,7 +124,7 @@ def read_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Itera
     kind = detect_format(path)
     endpoint = kind.job_endpoint(path, options)
     _, model_name = resolve_model(options.model, endpoint)
-    names = frozenset({model_name, *(n for n in [options.model] if n)})
+    names = ModelNames(model_name, [options.model] if options.model else [], options.lora_modules or {})
     return kind, endpoint, kind.read_chunks(path, endpoint, names, options)
 
 
@@ -225,6 +228,7 @@ def prepare_job(
     stop: Callable[[], None] | None = None,
     results_in: Path | None = None,
     claim: Callable[[JobDir], object] | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
@@ -237,13 +241,19 @@ def prepare_job(
     ``delete`` removes the folder of a job being resumed. ``stop`` is called before each chunk of
     rows is checked: what it raises ends the check, and the rows it had staged are removed.
     Idempotent: a job whose manifest already exists for the same input content is reused as it
-    is, so reruns and resumes keep their checkpoints.
+    is, so reruns and resumes keep their checkpoints. ``adapters``: the engine's LoRA adapters
+    (its ``lora_modules``), which join a generation job's own.
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options)
+    if adapters and endpoint != "embeddings":  # read again (nothing is read yet) knowing the adapters
+        options = options.model_copy(update={"lora_modules": {**adapters, **(options.lora_modules or {})}})
+        kind, endpoint, chunks = read_input(input_path, options)
     report = report or default_report_path(output)
     check_destinations(input_path, output, report, options_file, work_root=work_root, results_in=results_in)
     problems = Problems(model_problems(options.model) if local_model else [])
+    for problem in adapter_problems(options, endpoint, local_model):
+        problems.add(problem)
     for dest in dict.fromkeys((output, report)):
         if why := output_problem(dest, s3_client):
             problems.add(Problem(why, field="output" if dest == output else "report"))
@@ -268,6 +278,8 @@ def prepare_job(
     staging = job.root / layout.STAGING
     total = 0
     out = kind.staging(staging)
+    by_model: Counter[str] = Counter()
+    model_path, model_name = resolve_model(options.model, endpoint)
     checked = False
     try:
         for item in chunks:
@@ -279,6 +291,8 @@ def prepare_job(
             total += len(item)
             if not problems:
                 out.add(item)
+                if options.lora_modules:
+                    by_model.update(_row_models(kind.chunk_rows(item, endpoint, options), options, model_name))
         checked = True
     finally:
         out.close()
@@ -297,7 +311,6 @@ def prepare_job(
     ranges = shard_ranges(total, count, lambda windows: out.heads(windows, LEVEL_CHARS[-1]))
     _split(staging, job, ranges, kind)
     staging.unlink()
-    model_path, model_name = resolve_model(options.model, endpoint)
     manifest = JobManifest(
         job_id=job_id,
         input=str(input_path.resolve()),
@@ -312,9 +325,16 @@ def prepare_job(
         total_rows=total,
         shards=ranges,
         submitted_at=time.time(),
+        rows_by_model=dict(sorted(by_model.items())),
     )
     atomic_write_text(job.manifest_path, manifest.model_dump_json(indent=2))
     return job
+
+
+def _row_models(rows: Iterator[InputRow], options: JobOptions, base: str) -> Iterator[str]:
+    """The model each row asks for: its adapter's name, or the job's model."""
+    for row in rows:
+        yield row_adapter(row.body, options.lora_modules, options.adapter) or base
 
 
 def _split(staging: Path, job: JobDir, ranges: list[ShardRange], kind: Format) -> None:

@@ -55,6 +55,7 @@ class JobManifest(BaseModel):
     total_rows: int
     shards: list[ShardRange]
     submitted_at: float
+    rows_by_model: dict[str, int] = {}  # rows per model asked for (base and adapters); jobs with adapters only
 
     def job_options(self) -> JobOptions:
         return JobOptions.model_validate(self.options)

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from anex_pipeline.batch_api.app import create_app
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
+from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.fake_cli import SLOW_FAKE
 from anex_pipeline_tests.harness.jobs import REPO, chat_row
 from anex_pipeline_tests.harness.ports import free_port
@@ -124,7 +124,7 @@ def serve_process(
         "NO_PROXY": "127.0.0.1",
         **(env or {}),
     }
-    command = [sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli", "serve", "--port", str(port)]
+    command = [*FAKE_CLI, "serve", "--port", str(port)]
     with (tmp_path / "serve.log").open("ab") as log:
         process = subprocess.Popen(
             [*command, "--work-dir", str(tmp_path / "work"), *flags],

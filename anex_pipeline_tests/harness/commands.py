@@ -19,6 +19,8 @@ from anex_pipeline_tests.harness.jobs import chat_row
 from anex_pipeline_tests.harness.ports import free_port
 
 COMMAND = str(Path(sys.executable).with_name("anex-pipeline"))
+# The command with the slow fake engine behind it (harness/fake_cli.py), for tests that kill it
+FAKE_CLI = (sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli")
 
 
 def story_rows(n: int, topic: str = "animal") -> list[dict[str, object]]:

@@ -103,9 +103,9 @@ class Deployment:
         )
 
 
-@pytest.fixture
-def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """moto's S3 server on a free loopback port; boto3 reaches it over HTTP with dummy credentials."""
+def dummy_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dummy AWS credentials and region for boto3, no proxy for loopback, and no endpoint, profile or
+    session of the machine's own."""
     for name, value in {
         "AWS_ACCESS_KEY_ID": "test-key",
         "AWS_SECRET_ACCESS_KEY": "test-secret",
@@ -115,6 +115,12 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         monkeypatch.setenv(name, value)
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """moto's S3 server on a free loopback port; boto3 reaches it over HTTP with dummy credentials."""
+    dummy_aws_credentials(monkeypatch)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -12,8 +12,8 @@ import socket
 import time
 from pathlib import Path
 
-from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings
 from anex_pipeline.spec import RowOutcome

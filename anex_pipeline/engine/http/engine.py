@@ -55,6 +55,7 @@ class HttpSettings:
     base_url: str | tuple[str, ...]
     model_name: str  # the job's model
     model_named: bool = False  # the job named its model, so the server must serve exactly that one
+    adapters: tuple[str, ...] = ()  # the job's LoRA adapters, which the server must serve too
     api_key: str | None = None
     max_concurrency: int = 32  # per server
     timeout_s: float = 600.0  # per request, generation included
@@ -180,6 +181,12 @@ class OpenAIHttpEngine(Engine):
                 f"{server.root}/v1/models is not an OpenAI model list ({exc!r}); "
                 "is base_url an OpenAI-compatible server?"
             ) from None
+        missing = [name for name in self.settings.adapters if name not in served]
+        if missing:
+            raise _Unusable(
+                f"the model server at {server.root} serves {served}, without the job's adapter(s) "
+                f"{', '.join(missing)}; start it with --enable-lora --lora-modules NAME=PATH for each"
+            )
         wanted = self.model_name or self.settings.model_name
         if wanted in served:
             self.model_name = wanted
@@ -349,8 +356,9 @@ def _next_row(waiting: list[tuple[float, int, _Row]], source: Iterator[EngineReq
 
 
 def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
-    """The row's body with the job's resolved values in force, as the server takes it."""
-    body = {**req.body, "model": model}
+    """The row's body with the job's resolved values in force, as the server takes it (a row on
+    a LoRA adapter names the adapter, which a server started with ``--lora-modules`` serves)."""
+    body = {**req.body, "model": req.adapter or model}
     if req.endpoint == "embeddings":
         # Vectors are normalised here, so they must arrive as numbers; a base64 row gets its
         # encoding here too, from the unit vector.

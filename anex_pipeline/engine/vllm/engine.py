@@ -10,6 +10,7 @@ module loads the model, wires those parts to it, and embeds the rows of an embed
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from array import array
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import NOTICE_TEXT, OutputParser, ParserNames
@@ -49,6 +51,7 @@ class EngineSettings:
     engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
     reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
     tool_parser: str | None = None
+    lora_modules: str = "{}"  # the LoRA adapters loaded with the model, by name, as canonical JSON
 
 
 class VllmLocalEngine(Engine):
@@ -91,7 +94,15 @@ class VllmLocalEngine(Engine):
         )
         parser = OutputParser(self.tokenizer, names, harmony=harmony)
         self.outputs = OutputShaper(self.tokenizer, self.model_name, parser, thinking)
-        self.stepper = Stepper(self.llm, self.prompts, self.sampler, self.outputs, self.watch, self.lanes)
+        self.adapters = AdapterRequests(json.loads(settings.lora_modules))
+        self.stepper = Stepper(
+            self.llm, self.prompts, self.sampler, self.outputs, self.watch, self.lanes, self.adapters
+        )
+        try:
+            self.adapters.load(self.llm.llm_engine)
+        except Exception:  # an adapter that does not fit the model: nothing of the engine stays
+            self.shutdown()
+            raise
 
     @property
     def dead(self) -> bool:  # type: ignore[override]

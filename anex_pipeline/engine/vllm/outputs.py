@@ -69,7 +69,7 @@ class OutputShaper:
         if abnormal is not None:
             return engine_failure(req, f"generation ended abnormally ({abnormal})")
         choices = [self._generated(flight, answer) for answer in answers]
-        body = body_for(req.endpoint, req.request_id, self.model_name, *choices)
+        body = body_for(req.endpoint, req.request_id, req.adapter or self.model_name, *choices)
         usage = row_usage(body["usage"], req.endpoint)
         return RowOutcome(index=req.index, key=req.key, status_code=200, body=body, usage=usage)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import EngineRequest, StopCheck, rejected
 from anex_pipeline.engine.parsing import budget_cut
 from anex_pipeline.engine.sharing import Lane, Lanes
@@ -35,6 +36,7 @@ class Stepper:
     outputs: OutputShaper
     watch: EngineWatch
     lanes: Lanes  # the streams running at once on this engine
+    adapters: AdapterRequests  # the LoRA adapters rows may run on
     _request_ids: Iterator[int] = field(default_factory=itertools.count)
 
     @property
@@ -122,7 +124,7 @@ class Stepper:
         engine = self.llm.llm_engine
         with self.lanes.lock:
             try:
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=self.adapters.get(flight.req.adapter))
             except Exception as exc:
                 if engine_gone(self.llm):
                     raise
