@@ -2,7 +2,8 @@
 with a slow recording stand-in engine. It answers as the fake engine does, takes about
 :data:`ROW_SECONDS` a row, and appends one line per generated row to ``generated.log`` in the
 job's work folder: the row's ``custom_id`` with the host, process and ``CUDA_VISIBLE_DEVICES``
-of the step that generated it, and the time. The inbox settles in half a second."""
+of the step that generated it, and the time; the first steps of a job wait for each other (see
+:class:`SlowRecordingEngine`). The inbox settles in half a second."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from anex_pipeline.engine.base import EngineRequest
@@ -21,12 +23,30 @@ from anex_pipeline.testing import FakeEngine, fake_engine
 
 ROW_SECONDS = 0.2
 LOG_NAME = "generated.log"
+GATHER = 3  # the worker nodes of the tests' cluster
+GATHER_WAIT_S = 180.0
 
 
 class SlowRecordingEngine(FakeEngine):
-    def __init__(self, model_name: str, log: Path):
+    """Before its first row, a step waits (at most GATHER_WAIT_S) until as many of the job's
+    steps are generating as the cluster has nodes, or the job has shards: that many then run at
+    once, so where Ray puts them shows, however far apart the driver started their runs."""
+
+    def __init__(self, model_name: str, log: Path, together: int):
         super().__init__(model_name)
-        self.log = log
+        self.log, self.together = log, together
+        self.gathered = False
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        if not self.gathered:
+            self.gathered = True
+            here = self.log.with_name("generating.log")
+            with here.open("a") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}\n")
+            deadline = time.monotonic() + GATHER_WAIT_S
+            while len(here.read_text().splitlines()) < self.together and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return super().run(requests)
 
     def _one(self, req: EngineRequest) -> RowOutcome:
         time.sleep(ROW_SECONDS)
@@ -50,7 +70,9 @@ def read_log(job_root: Path) -> list[dict[str, object]]:
 register_engine(
     "slow-recording",
     lambda config, manifest: SlowRecordingEngine(
-        manifest.model_name, Path(os.environ["ANEX_WORK_DIR"]) / manifest.job_id / LOG_NAME
+        manifest.model_name,
+        Path(os.environ["ANEX_WORK_DIR"]) / manifest.job_id / LOG_NAME,
+        min(GATHER, len(manifest.shards)),
     ),
 )
 
