@@ -239,9 +239,9 @@ def test_the_key_check_reports_unknown_and_misplaced_keys() -> None:
 def test_helm_values_configure_the_production_setup() -> None:
     values = helm_values()
     (deployment,) = values["dagster-user-deployments"]["deployments"]
-    # The code server loads this project's definitions, the object `dagster api grpc -m` finds.
+    # The code server loads this project's definitions, the lazy object `dagster api grpc -m` finds.
     assert deployment["dagsterApiGrpcArgs"] == ["-m", "anex_pipeline.orchestration.definitions"]
-    assert {"submit_job", "shard_job"} <= {job.name for job in defs.resolve_all_job_defs()}
+    assert {"submit_job", "shard_job"} <= {job.name for job in defs().resolve_all_job_defs()}
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
     assert values["postgresql"]["postgresqlScheme"] == "postgresql+psycopg2"
     assert values["dagsterDaemon"]["runMonitoring"]["enabled"] is True
@@ -275,7 +275,7 @@ def test_executor_run_config_fits_the_k8s_job_executor_and_names_real_steps() ->
     assert result.success, result.errors
     # GPU settings for exactly the steps that run in the "gpu" pool, by their op names.
     gpu_ops = {
-        node.name for job in defs.resolve_all_job_defs() for node in job.graph.nodes if node.definition.pool == "gpu"
+        node.name for job in defs().resolve_all_job_defs() for node in job.graph.nodes if node.definition.pool == "gpu"
     }
     assert set(config["per_step_k8s_config"]) == gpu_ops == {"generations", "length_estimate"}
 
