@@ -38,6 +38,7 @@ from anex_pipeline.batches.store import Store
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.orchestration.partitions import JOBS, forget_job, shard_keys_on
 from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
+from anex_pipeline.stages.generate_answer_store import drop_answers
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.lease import driven_by_cli, try_lease
 from anex_pipeline.workdir.manifest import JobDir
@@ -246,6 +247,7 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
         for run in runs_of_job(instance, job.job_id, known_shards):
             instance.delete_run(run.run_id)
         forget_job(instance, job.job_id, count)
+        drop_answers(job.root.parent, job.job_id)
         if folder:
             shutil.rmtree(job.root)
     finally:

@@ -53,12 +53,23 @@ class _Interrupted(Exception):
 class JobRunner:
     """Runs jobs on one Dagster instance with one set of resources."""
 
-    def __init__(self, instance: dg.DagsterInstance, storage: StorageConfig, engine: EngineConfig):
+    def __init__(
+        self,
+        instance: dg.DagsterInstance,
+        storage: StorageConfig,
+        engine: EngineConfig,
+        *,
+        warm_server: bool = False,
+        keep_warm: bool = False,
+    ):
         """``storage`` and ``engine`` are plain settings (a Dagster resource is one too); the runner
-        wraps them in the resources its Dagster runs use, the engine kept loaded between runs."""
+        wraps them in the resources its Dagster runs use, the engine kept loaded between runs.
+        ``warm_server``: jobs run on the machine's shared model server when one is warm for them,
+        ``keep_warm``: one is started if none is, and stays warm after the runner is done (see
+        :class:`~anex_pipeline.orchestration.resources.EngineResource`)."""
         self.instance = _safe_for_threads(instance)
         self.storage = StorageResource.wrapping(storage)
-        self.engine = EngineResource.wrapping(engine, keep_loaded=True)
+        self.engine = EngineResource.wrapping(engine, keep_loaded=True, warm_server=warm_server, keep_warm=keep_warm)
         self.defs = build_definitions(storage, self.engine)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time
@@ -114,7 +125,7 @@ class JobRunner:
         return job
 
     def run(self, job: JobDir, shards: Sequence[int] | None = None, *, clear_stop: bool = True) -> JobReport:
-        """Estimate, generate the chosen shards (all by default), merge and publish.
+        """Estimate, generate the chosen shards (by default every shard with rows left), merge and publish.
 
         Running a job again resumes it, so an earlier stop is cleared first; a caller that
         cleared it itself (and must not lose a stop asked since) passes ``clear_stop=False``.
@@ -135,8 +146,9 @@ class JobRunner:
         self._load_engine_early(job, manifest)
         stop = StopCheck(job)
         try:
-            self._execute("estimate_job", job.job_id)
-            chosen = range(len(manifest.shards)) if shards is None else shards
+            if not job.estimate_path.exists():  # else the submit step recorded it, or an earlier run made it
+                self._execute("estimate_job", job.job_id)
+            chosen = unfinished_shards(job) if shards is None else shards  # a finished shard's run would do nothing
             failures = []
             for shard in chosen:
                 if stop.asked() is not None:

@@ -96,6 +96,7 @@ class JobOptions(_Strict):
     estimate_seed: int = 0
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)
     reuse_answers: bool = True  # identical deterministic rows are generated once
+    answer_store: bool = True  # with reuse_answers: deterministic rows answered by earlier jobs are not generated
     row_metadata: bool = True  # Parquet results carry each row's token counts and finish reason
     prefix_order: bool = True  # rows sharing a long prompt prefix go to the engine together
     time_limit_s: float | None = Field(default=None, gt=0)
@@ -283,6 +284,8 @@ class JobReport(BaseModel):
     output_tokens: dict[str, int] = Field(default_factory=dict)
     # Rows answered with a copy of an identical deterministic row's answer (option reuse_answers).
     reused_answer_rows: int = 0
+    # Rows answered with the answer an earlier job of the work folder generated (option answer_store).
+    reused_from_earlier_jobs: int = 0
     # Rows whose answer is the one the length-estimation sample already generated.
     reused_sample_rows: int = 0
     # Rows per model they asked for (the base model and each adapter), when the job has adapters.

@@ -3,6 +3,8 @@ helpers live in ``harness/``; the harness modules that hold fixtures of their ow
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,10 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
 from anex_pipeline_tests.harness.jobs import local_instance, real_engine_resource
+
+# `run` uses the machine's shared model server when one is warm for its settings: the tests' commands
+# look for it in a folder of their own, so that a server someone left warm on this machine serves none.
+os.environ.setdefault("ANEX_MACHINE_SERVER_DIR", tempfile.mkdtemp(prefix="anex-test-machine-server-"))
 
 pytest_plugins = [
     "anex_pipeline_tests.harness.batch_api",  # slow_runner

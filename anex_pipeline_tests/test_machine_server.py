@@ -428,6 +428,18 @@ def test_a_step_gives_up_waiting_for_a_busy_server_of_other_settings(
 
 
 @pytest.mark.subprocess
+def test_a_command_uses_a_warm_server_but_never_starts_or_replaces_one(server_dir: Path, fake_servers: Path) -> None:
+    """What ``run`` asks without --keep-engine: the server up for its settings, or none."""
+    assert server_for(settings_of("a"), folder=server_dir, start=False) is None
+    assert starts(server_dir) == 0, "nothing was started"
+    warm = server_for(settings_of("a"), folder=server_dir)
+    assert server_for(settings_of("a"), folder=server_dir, start=False) == warm
+    assert server_for(settings_of("b"), folder=server_dir, start=False) is None, "other settings: not that server"
+    assert read_state(server_dir) == warm and alive(warm), "and it was left up for the job it serves"
+    assert starts(server_dir) == 1
+
+
+@pytest.mark.subprocess
 def test_a_supervisor_killed_with_sigkill_takes_its_server_along(server_dir: Path, fake_servers: Path) -> None:
     state = server_for(settings_of("a"), folder=server_dir)
     family = descendants(state.pid)

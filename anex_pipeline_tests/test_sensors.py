@@ -146,8 +146,7 @@ def test_s3_file_to_result_under_the_output_prefix(bucket: Callable[..., Any]) -
     deployment.execute(data.run_requests[0])
     job_id = data.run_requests[0].partition_key
     steps = deployment.drive()
-    assert steps == [
-        [f"estimate_job:{job_id}"],
+    assert steps == [  # every row sets max_tokens: the submit run recorded the estimate
         [f"shard_job:{job_shard_key(job_id, 0)}", f"shard_job:{job_shard_key(job_id, 1)}"],
         [f"finish_job:{job_id}"],
     ]
@@ -240,7 +239,7 @@ def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.D
         }
     ]
     deployment.execute(data.run_requests[0])
-    assert len(deployment.drive()) == 3
+    assert len(deployment.drive()) == 2  # shards, then finish: max_tokens is set, so no estimate run
     assert not deployment.tick("local_inbox").run_requests
 
     table = pq.read_table(tmp_path / "outbox" / "team" / "chat.results.parquet").to_pylist()
@@ -322,17 +321,23 @@ def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.Dag
 
     steps = deployment.drive()
     assert steps == [
-        ["estimate_job:ui-job"],
         [f"shard_job:{job_shard_key('ui-job', s)}" for s in range(3)],
         ["finish_job:ui-job"],
     ]
+    assert sorted(r.dagster_run.job_name for r in instance.get_run_records()) == [
+        "finish_job",
+        *["shard_job"] * 3,
+        "submit_job",
+    ]  # the submit run recorded the estimate: every row sets max_tokens
     assert [line["custom_id"] for line in read_jsonl(out)] == [f"u{i}" for i in range(12)]
 
     # Materializing validated_input again (empty config: the same job) is a new submission.
     deployment.execute(dg.RunRequest(partition_key="ui-job"), "submit_job")
     again = deployment.tick("job_driver").run_requests
-    assert [(r.job_name, r.partition_key) for r in again] == [("estimate_job", "ui-job")]
-    assert again[0].run_key not in deployment.run_keys[:-1]
+    assert [(r.job_name, r.partition_key) for r in again] == [
+        ("shard_job", job_shard_key("ui-job", s)) for s in range(3)
+    ]
+    assert not set(r.run_key for r in again) & set(deployment.run_keys[: -len(again)])
 
 
 def test_retry_schedule_reruns_only_shards_with_failed_rows_up_to_its_limit(
@@ -408,7 +413,6 @@ def test_a_shard_that_fails_for_good_does_not_stall_its_job(
     last = str(job_shard_key("stuck", 2))
     steps = deployment.drive(failing=frozenset({last}))  # the step's own retries fail too
     assert steps == [
-        ["estimate_job:stuck"],
         [f"shard_job:{job_shard_key('stuck', s)}" for s in range(3)],
         ["finish_job:stuck"],
     ]
@@ -456,7 +460,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
             shard_run = wait_for_run(instance, cli, "shard_job")  # the CLI is generating shard 0, slowly
             assert shard_run.tags[LAUNCHED_BY_TAG] == "cli"
             cli_runs = instance.get_runs(filters=dg.RunsFilter(tags={LAUNCHED_BY_TAG: "cli"}))
-            assert {r.job_name for r in cli_runs} == {"submit_job", "estimate_job", "shard_job"}
+            assert {r.job_name for r in cli_runs} == {"submit_job", "shard_job"}  # rows set max_tokens: no estimate
             data = deployment.tick("job_driver")
             assert not data.run_requests and "being run by anex-pipeline" in data.skip_message
         finally:

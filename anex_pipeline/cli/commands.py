@@ -47,6 +47,12 @@ def _runner(args: argparse.Namespace) -> Any:
 
     # Engine arguments are checked first, so that a misspelt one is refused before anything starts.
     given = engine_args_of(args)
+    keep_engine = getattr(args, "keep_engine", False)
+    if keep_engine and args.base_url:
+        raise UsageError(
+            "--keep-engine keeps this machine's shared model server warm; with --base-url the rows go to that "
+            "server instead: drop one of the two"
+        )
     if given and args.base_url:
         raise UsageError(
             f"engine arguments ({', '.join(sorted(given))}) are for the model this command loads; the server at "
@@ -72,7 +78,9 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / layout.LOGS_DIR / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    return JobRunner(dagster_instance(), storage, engine)
+    # A warm shared server serves `run` and `backfill` (the Batch API keeps its engine in its process).
+    warm = args.command in ("run", "backfill") and settings.MACHINE_SERVER.get() != "0"
+    return JobRunner(dagster_instance(), storage, engine, warm_server=warm or keep_engine, keep_warm=keep_engine)
 
 
 def _base_url(given: list[str] | None) -> str | None:

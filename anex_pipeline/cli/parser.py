@@ -36,6 +36,7 @@ BOOL_FLAGS = [
     ("--parse-thinking", "parse_thinking"),
     ("--parse-tool-calls", "parse_tool_calls"),
     ("--prefix-order", "prefix_order"),
+    ("--answer-store", "answer_store"),
 ]
 
 
@@ -70,6 +71,8 @@ BOOL_HELP: dict[str, str] = {
     "parse_tool_calls": "put tool calls in message.tool_calls (default: on where the model has a parser)",
     "prefix_order": "send rows that share a long prompt prefix to the engine together (default: on; "
     "--no-prefix-order keeps file order)",
+    "answer_store": "answer deterministic rows that an earlier job of the work folder answered on the same model "
+    "and engine settings with that answer, not generated again (default: on)",
 }
 
 
@@ -208,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(run)
     _add_option_flags(run)
     _engine_flags(run)
+    run.add_argument(
+        "--keep-engine",
+        action="store_true",
+        help="run on this machine's shared model server (started if none serves the job's model and engine "
+        "settings) and leave it warm for its idle time, so the next run starts generating at once (runs without "
+        "the flag use it too while it is up; ANEX_MACHINE_SERVER=0 keeps every run's model in its own process)",
+    )
 
     val = sub.add_parser("validate", help="check an input file and its options without running it")
     val.add_argument("input")

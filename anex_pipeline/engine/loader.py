@@ -187,17 +187,21 @@ def _kind(config: EngineConfig) -> str:
     return config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
 
 
-def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float) -> Engine:
+def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *, start: bool = True) -> Engine | None:
     """The engine a job runs on, with the vLLM engine replaced by this machine's shared model
-    server (started if none serves the job's model and settings) reached over loopback."""
+    server (started if none serves the job's model and settings) reached over loopback. With
+    ``start=False`` only a server that is up for them already is used: None when there is none
+    (or the engine is not vLLM)."""
     if _kind(config) != "vllm":
-        return engine_for(config, manifest)
+        return engine_for(config, manifest) if start else None
     from anex_pipeline.engine import machine_server
     from anex_pipeline.engine.engine_args import engine_kwargs
     from anex_pipeline.engine.machine_server import server_for
 
     settings = vllm_settings(config, manifest)
-    server = server_for(settings, idle_s)
+    server = server_for(settings, idle_s, start=start)
+    if server is None:
+        return None
     shared = config.model_copy(update={"kind": "http", "base_url": server.url, "api_key": server.token})
     engine = _http_engine(shared, manifest)
     given = engine_kwargs(settings, machine_server.cpu_build())

@@ -274,10 +274,16 @@ def cpu_build() -> bool:
 
 
 def server_for(
-    settings: Any, idle_s: float = DEFAULT_IDLE_S, folder: Path | None = None, wait_s: float = OTHER_SETTINGS_WAIT_S
-) -> ServerState:
+    settings: Any,
+    idle_s: float = DEFAULT_IDLE_S,
+    folder: Path | None = None,
+    wait_s: float = OTHER_SETTINGS_WAIT_S,
+    *,
+    start: bool = True,
+) -> ServerState | None:
     """This machine's model server for ``settings`` (its address and API key), started (and
-    waited for) if none serves them. A server busy with other settings is waited for up to
+    waited for) if none serves them; with ``start=False``, None instead (nothing is started or
+    stopped). A server busy with other settings is waited for up to
     ``wait_s`` (then :class:`ServerBusy`). The waits sleep in short steps, so a stop signal
     (which raises in a step waiting for its engine) cuts them short."""
     from filelock import FileLock
@@ -290,6 +296,8 @@ def server_for(
         if state is not None and alive(state) and state.key == key and healthy(state.url) and knows_token(state):
             os.utime(folder / "state.json")  # activity: the idle clock starts again
             return state
+        if not start:
+            return None
         if state is not None:
             _retire(folder, state, key, wait_s)
         state = _start(folder, settings, key, idle_s)

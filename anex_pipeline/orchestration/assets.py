@@ -31,10 +31,11 @@ from anex_pipeline.orchestration.partitions import (
 )
 from anex_pipeline.orchestration.ray_executor import ENGINE_STEP, OTHER_STEP
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.spec import JobRejected, JobReport
+from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
-from anex_pipeline.stages.estimate import estimate_lengths, length_histogram
+from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
 from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.generate_answer_store import open_store
 from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.merge_row_account import account_rows
 from anex_pipeline.stages.publish import publish_job
@@ -128,7 +129,7 @@ def _shard(context: dg.AssetExecutionContext, job: JobDir) -> int:
 )
 def validated_input(
     context: dg.AssetExecutionContext, config: JobSubmission, storage: StorageResource, engine: EngineResource
-) -> dg.MaterializeResult:
+) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
     try:
         job = storage.job(context.partition_key)
     except ValueError as exc:  # a key no job folder can have, e.g. one of the work root's own folders
@@ -160,7 +161,8 @@ def validated_input(
     record_timing(job, "validate", time.monotonic() - started)
     m = job.manifest()
     register_job(context.instance, job.job_id, len(m.shards))
-    return dg.MaterializeResult(
+    estimate = estimate_without_sample(job)
+    yield dg.MaterializeResult(
         metadata={
             "rows": m.total_rows,
             "shards": len(m.shards),
@@ -171,6 +173,10 @@ def validated_input(
             "output": m.output,
         }
     )
+    if estimate is not None:  # no sample to generate: the estimate is in, with no run of its own
+        yield dg.AssetMaterialization(
+            asset_key=length_estimate.key, partition=job.job_id, metadata=_estimate_metadata(estimate, {})
+        )
 
 
 @dg.asset(
@@ -206,11 +212,15 @@ def length_estimate(
     with _stoppable(job):
         report, stats = estimate_lengths(job, lambda: load_interruptibly(lambda: engine.engine_for(manifest, job)))
     record_timing(job, "estimate", time.monotonic() - started)
+    return dg.MaterializeResult(metadata=_estimate_metadata(report, stats))
+
+
+def _estimate_metadata(report: EstimateReport, stats: dict[str, float]) -> dict[str, Any]:
     metadata: dict[str, Any] = {**report.model_dump(), **stats}
     if "sample_lengths" in stats:
         lengths = json.loads(str(stats["sample_lengths"]))
         metadata["output_length_histogram"] = dg.MetadataValue.md(length_histogram(lengths, report.max_tokens))
-    return dg.MaterializeResult(metadata=metadata)
+    return metadata
 
 
 @dg.asset(
@@ -258,8 +268,13 @@ def generations(
         tell(*latest)  # generation starts now
         return loaded
 
-    with _stoppable(job):
-        summary = run_shard(job, shard, engine_in_hand, progress=progress)
+    store = open_store(job, engine.plain())
+    try:
+        with _stoppable(job):
+            summary = run_shard(job, shard, engine_in_hand, progress=progress, store=store)
+    finally:
+        if store is not None:
+            store.close()
     generation_s = summary.seconds - summary.engine_wait_s
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", generation_s)

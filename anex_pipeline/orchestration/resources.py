@@ -14,6 +14,7 @@ from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import engine_for, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
+from anex_pipeline.stages.estimate import model_thinks
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import record_engine
@@ -71,18 +72,37 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
     machine_server_idle_s: float = Field(
         default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
     )
+    warm_server: bool = Field(
+        default=False,
+        description="With machine_server off: use the machine's shared model server when one is up for the "
+        "job's model and engine settings, else load the model in this process. A model that thinks always "
+        "loads here: the shared server does not continue a trace cut by the thinking budget.",
+    )
+    keep_warm: bool = Field(
+        default=False,
+        description="With warm_server: start the shared model server when none is up, so that it stays warm "
+        "for machine_server_idle_s after the run.",
+    )
 
     @classmethod
-    def wrapping(cls, config: EngineConfig, *, keep_loaded: bool = False) -> EngineResource:
-        """The resource for one process that runs every step itself: the engine in that process."""
+    def wrapping(
+        cls, config: EngineConfig, *, keep_loaded: bool = False, warm_server: bool = False, keep_warm: bool = False
+    ) -> EngineResource:
+        """The resource for one process that runs every step itself: the engine in that process
+        (or, with ``warm_server``, the machine's shared server when one is warm; see the fields)."""
         fields = {name: getattr(config, name) for name in EngineConfig.model_fields}
-        return cls(**fields, keep_loaded=keep_loaded, machine_server=False)
+        return cls(
+            **fields, keep_loaded=keep_loaded, machine_server=False, warm_server=warm_server, keep_warm=keep_warm
+        )
 
     def engine_for(self, manifest: JobManifest, job: JobDir | None = None) -> Engine:
         """The job's engine; with ``job``, what it is goes into the job's report."""
+        engine: Engine | None = None
         if self.machine_server:
             engine = machine_engine(self.plain(), manifest, self.machine_server_idle_s)
-        else:
+        elif self.warm_server and not model_thinks(manifest):
+            engine = machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=self.keep_warm)
+        if engine is None:
             engine = engine_for(self.plain(), manifest)
         if job is not None:
             record_engine(job, engine.report_section())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.engine.parsing import choose_parsers
@@ -41,25 +41,53 @@ def estimate_lengths(
     A sample is generated when ``max_tokens`` is unset, or when ``reasoning_budget`` is unset
     for a model that thinks. ``engine_for`` is called only when a sample really has to be made.
     """
-    manifest = job.manifest()
-    options = manifest.job_options()
-    stats: dict[str, float] = {}
-    if job.estimate_path.exists():
-        return read_estimate(job), stats
-    if manifest.endpoint == "embeddings":
-        report = EstimateReport(method="not needed: embeddings have no output length")
-    else:
-        need_cap = options.max_tokens is None
-        need_budget = options.reasoning_budget is None and _model_thinks(manifest)
-        if need_cap or need_budget:
-            report, stats = _sample_and_bound(job, engine_for, cap if need_cap else None, need_budget)
-        else:
-            report = EstimateReport(method="set by user")
+    known = estimate_without_sample(job)
+    if known is not None:
+        return known, {}
+    options = job.manifest().job_options()
+    need_cap = options.max_tokens is None
+    report, stats = _sample_and_bound(job, engine_for, cap if need_cap else None, _needs_budget(job.manifest()))
     atomic_write_text(job.estimate_path, report.model_dump_json(indent=2))
     return report, stats
 
 
-def _model_thinks(manifest: JobManifest) -> bool:
+def estimate_without_sample(job: JobDir) -> EstimateReport | None:
+    """The job's estimate when it takes no sample, written to the job's folder: the one made
+    before, or one the settings decide (embeddings; caps and budget set by the user; every row
+    setting its own ``max_tokens``). None when a sample has to be generated. The submit step
+    records such an estimate itself, so that no step of the job's is run only to write it."""
+    if job.estimate_path.exists():
+        return read_estimate(job)
+    manifest = job.manifest()
+    options = manifest.job_options()
+    if manifest.endpoint == "embeddings":
+        report = EstimateReport(method="not needed: embeddings have no output length")
+    elif options.max_tokens is not None and not _needs_budget(manifest):
+        report = EstimateReport(method="set by user")
+    elif options.max_tokens is None and all(_sets_own_cap(row) for row in _rows(job)):
+        report = EstimateReport(method="not needed: every row sets its own max_tokens")
+    else:
+        return None
+    atomic_write_text(job.estimate_path, report.model_dump_json(indent=2))
+    return report
+
+
+def _rows(job: JobDir) -> Iterator[InputRow]:
+    for shard in range(len(job.manifest().shards)):
+        yield from job.read_requests(shard)
+
+
+def _sets_own_cap(row: InputRow) -> bool:
+    return "max_tokens" in row.body or "max_completion_tokens" in row.body
+
+
+def _needs_budget(manifest: JobManifest) -> bool:
+    """Whether a thinking budget is to be bounded from the sample: the model thinks and the job
+    sets no budget."""
+    return manifest.job_options().reasoning_budget is None and model_thinks(manifest)
+
+
+def model_thinks(manifest: JobManifest) -> bool:
     """Whether the job's model has a reasoning parser, i.e. thinking that a budget can cap."""
     return choose_parsers(manifest.model, manifest.model_name, manifest.job_options()).reasoning is not None
 
@@ -72,14 +100,7 @@ def _sample_and_bound(
     used for the sample as it is, so the sample runs under the real run's settings."""
     manifest = job.manifest()
     options = manifest.job_options()
-    candidates = [
-        row
-        for shard in range(len(manifest.shards))
-        for row in job.read_requests(shard)
-        if cap is None or ("max_tokens" not in row.body and "max_completion_tokens" not in row.body)
-    ]
-    if not candidates:
-        return EstimateReport(method="not needed: every row sets its own max_tokens"), {}
+    candidates = [row for row in _rows(job) if cap is None or not _sets_own_cap(row)]
     sample: list[InputRow] = random.Random(options.estimate_seed).sample(
         candidates, min(options.estimate_sample_size, len(candidates))
     )

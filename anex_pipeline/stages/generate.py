@@ -19,6 +19,7 @@ from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.stages.generate_answer_book import AnswerBook, copy_for, fingerprint
+from anex_pipeline.stages.generate_answer_store import AnswerStore, note_served
 from anex_pipeline.stages.merge import RowTally
 from anex_pipeline.stopping import StopCheck, load_interruptibly
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -64,6 +65,7 @@ class ShardSummary:
     kept_from_earlier_runs: int = 0
     reused_from_sample: int = 0
     reused_identical: int = 0  # rows answered with the answer of an identical deterministic row
+    reused_from_earlier_jobs: int = 0  # rows answered from the answer store
     generated: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -90,10 +92,12 @@ def run_shard(
     *,
     chunk_rows: int | None = None,
     progress: Progress | None = None,
+    store: AnswerStore | None = None,
 ) -> ShardSummary:
-    """Brings every row of the shard to an outcome; returns what was done. The run claims the
-    shard first: should a later run claim it meanwhile, this one stops with ShardTakenOver
-    before it writes another row."""
+    """Brings every row of the shard to an outcome; returns what was done. ``store``: answers of
+    earlier jobs, served to the rows that ask the same (and given this shard's answers). The run
+    claims the shard first: should a later run claim it meanwhile, this one stops with
+    ShardTakenOver before it writes another row."""
     started = time.monotonic()
     owner = ShardOwner.claim(job.shard_dir(shard), shard)
 
@@ -123,7 +127,7 @@ def run_shard(
         progress(live.done, live.total, 0)
     stop = StopCheck(job)
     stop()
-    feed = _Feed(job, shard, manifest, estimate, todo, group_rows, summary)
+    feed = _Feed(job, shard, manifest, estimate, todo, group_rows, summary, store)
 
     def engine() -> Engine:
         asked = time.monotonic()
@@ -175,8 +179,10 @@ class _Feed:
         todo: Iterator[InputRow],
         group_rows: int,
         summary: ShardSummary,
+        store: AnswerStore | None = None,
     ):
         self.job, self.shard, self.todo, self.group_rows, self.summary = job, shard, todo, group_rows, summary
+        self.store = store
         self.manifest = manifest
         self.options = manifest.job_options()
         self.max_tokens = self.options.max_tokens or estimate.max_tokens
@@ -186,6 +192,7 @@ class _Feed:
         self.waiting: dict[str, list[EngineRequest]] = {}  # fingerprint -> rows waiting for its answer
         self.asked: dict[int, str] = {}  # row index -> fingerprint, for deterministic rows sent
         self.found: list[RowOutcome] = []  # outcomes that needed no engine (copies, media failures)
+        self.from_store: list[int] = []  # rows among them answered from the answer store
         self.in_flight = 0  # rows handed to the engine that have not come back
         self.requests = self._requests()
 
@@ -204,6 +211,10 @@ class _Feed:
                 elif (known := self.book.get(key)) is not None:
                     self.found.append(copy_for(known, req))
                     self.summary.reused_identical += 1
+                elif self.store is not None and (known := self.store.get(key)) is not None:
+                    self.found.append(copy_for(known, req))
+                    self.from_store.append(req.index)
+                    self.summary.reused_from_earlier_jobs += 1
                 elif key in self.waiting:
                     self.waiting[key].append(req)
                     self.summary.reused_identical += 1
@@ -221,6 +232,11 @@ class _Feed:
         """The engine's finished rows plus the copies of their answers and what needed no engine."""
         answered = [(self.asked.pop(o.index), o) for o in group if o.index in self.asked]
         self.book.add(answered)
+        if self.store is not None:
+            self.store.add(answered)
+        if self.from_store:
+            note_served(self.job, self.shard, self.from_store)
+            self.from_store = []
         copies = [copy_for(o, req) for key, o in answered for req in self.waiting.pop(key)]
         self.summary.generated += len(group)
         self.in_flight -= len(group)

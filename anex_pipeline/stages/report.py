@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
+from anex_pipeline.stages.generate_answer_store import served_rows
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
 
@@ -37,6 +38,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         rows_per_s=round(delivered / busy, 3) if busy else 0.0,
         output_tokens_per_s=round(usage.completion_tokens / busy, 3) if busy else 0.0,
     )
+    from_earlier_jobs = served_rows(job, len(manifest.shards))
     return JobReport(
         job_id=manifest.job_id,
         status=status,
@@ -52,7 +54,8 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         timings=timings,
         throughput=throughput,
         output_tokens=tally.length_percentiles(),
-        reused_answer_rows=tally.reused,
+        reused_answer_rows=tally.reused - from_earlier_jobs,  # the copies made within the job
+        reused_from_earlier_jobs=from_earlier_jobs,
         reused_sample_rows=_reused_sample_rows(job, manifest),
         rows_by_model=manifest.rows_by_model,
         served_by=read_served(job),

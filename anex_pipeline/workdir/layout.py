@@ -7,6 +7,7 @@
         shards/<NN>/requests.*    a shard's requests (the name is its format's shard_file)
         shards/<NN>/results.*     a shard's checkpoint of finished rows (its format's checkpoint_file)
         shards/<NN>/media.jsonl   the shard's rows whose media could not be fetched
+        shards/<NN>/from_earlier_jobs.txt  the shard's rows answered from the answer store
         estimate.json             the output-length estimate
         estimate_sample.jsonl     the rows generated for the estimate
         answers/                  the answer book (one answer for identical deterministic rows)
@@ -25,6 +26,7 @@ are never a job's: no job may take their names, and ``delete`` and ``prune`` nev
     <work root>/logs/             the engine's and libraries' messages of each command
     <work root>/inputs/           s3:// inputs that ``run`` downloaded
     <work root>/batch-api/        the Batch API's stored files and its batches' inputs and results
+    <work root>/answer-store/     answers of deterministic rows kept across jobs
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ INPUT_DIR = "input"
 STAGING = "rows.staging"
 SHARDS_DIR = "shards"
 MEDIA_FAILURES = "media.jsonl"
+FROM_EARLIER_JOBS = "from_earlier_jobs.txt"  # a shard's rows answered from the answer store
 ESTIMATE = "estimate.json"
 ESTIMATE_SAMPLE = "estimate_sample.jsonl"
 ANSWERS_DIR = "answers"
@@ -49,8 +52,10 @@ LEASE = "cli.lock"
 LOGS_DIR = "logs"
 INPUTS_DIR = "inputs"
 BATCH_API_DIR = "batch-api"
+ANSWER_STORE_DIR = "answer-store"
 WORK_ROOT_FOLDERS = {
     LOGS_DIR: "the commands' log folder",
     INPUTS_DIR: "the folder of downloaded inputs",
     BATCH_API_DIR: "the Batch API's folder",
+    ANSWER_STORE_DIR: "the answer store across jobs",
 }
