@@ -40,9 +40,19 @@ MACHINE_SERVER_DIR = Setting(
 DAGSTER_HOME = Setting("DAGSTER_HOME", "", "The Dagster instance's folder; empty: dagster_home under the cache folder.")
 WORK_DIR = Setting("ANEX_WORK_DIR", "", "The work root of every job's folder; empty: work under the cache folder.")
 MEDIA_CACHE_DIR = Setting("ANEX_MEDIA_CACHE_DIR", "", "Where downloaded media are kept; empty: media under the cache.")
-EXECUTOR = Setting("ANEX_EXECUTOR", "", "A Dagster run's steps: empty (in the run's process), multiprocess or k8s.")
+EXECUTOR = Setting(
+    "ANEX_EXECUTOR", "", "A Dagster run's steps: empty (in the run's process), multiprocess, k8s or ray."
+)
 MACHINE_SERVER = Setting(
-    "ANEX_MACHINE_SERVER", "", "0 turns off the model server shared by a machine's step processes; empty: on, but k8s."
+    "ANEX_MACHINE_SERVER",
+    "",
+    "0 turns off the model server shared by a machine's step processes; empty: on, but k8s, ray.",
+)
+RAY_ADDRESS = Setting(
+    "ANEX_RAY_ADDRESS", "", "The Ray dashboard (http://head:8265) that ANEX_EXECUTOR=ray sends steps to."
+)
+RAY_HEALTH_CHECK_S = Setting(
+    "ANEX_RAY_HEALTH_CHECK_S", "5", "Seconds between two checks on a step's Ray job (ray executor)."
 )
 ENGINE_BASE_URL = Setting("ANEX_ENGINE_BASE_URL", "", "An OpenAI-compatible server to generate on instead of vLLM.")
 API_KEY = Setting("ANEX_API_KEY", "", "The API key the HTTP engine sends to its server.")
@@ -60,3 +70,9 @@ OUTBOX_DIR = Setting("ANEX_OUTBOX_DIR", "", "The local_inbox sensor's results; e
 BATCH_API_KEYS = Setting("ANEX_BATCH_API_KEYS", "", "The Batch API's keys, comma-separated, without --keys-file.")
 WEBHOOK_URL = Setting("ANEX_WEBHOOK_URL", "", "Where serve posts batch events, when it has no --webhook-url.")
 WEBHOOK_SECRET = Setting("ANEX_WEBHOOK_SECRET", "", "The secret that signs them, when serve has no --webhook-secret.")
+
+
+def pipeline_environment() -> dict[str, str]:
+    """Every ``ANEX_*`` variable of this process: what a step started elsewhere (a Ray job) is
+    given of its run's settings."""
+    return {name: value for name, value in os.environ.items() if name.startswith("ANEX_")}

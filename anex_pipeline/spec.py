@@ -290,7 +290,7 @@ class JobReport(BaseModel):
     reused_sample_rows: int = 0
     # Rows per model they asked for (the base model and each adapter), when the job has adapters.
     rows_by_model: dict[str, int] = Field(default_factory=dict)
-    # Generated rows each model server answered, when the engine sends rows to servers.
+    # Generated rows each model server answered (the HTTP engine), or each host whose in-process engine did.
     served_by: dict[str, int] = Field(default_factory=dict)
     # The engine the rows ran on: kind, model, vLLM version, its engine arguments and context.
     engine: dict[str, Any] | None = None

@@ -6,6 +6,8 @@
 * The Helm values use only keys the Dagster chart knows (deploy/helm/dagster-chart-keys.yaml).
 * deploy/dagster.yaml is a valid Dagster instance config with PostgreSQL storage and the
   Kubernetes run launcher (test_postgres_instance.py runs a job on it against a real server).
+* deploy/ray/: each pod template of the KubeRay RayCluster validates as a Pod, the head takes no
+  work, and deploy/ray/dagster.yaml is a valid instance config (test_ray.py runs jobs on it).
 Each check is also shown to fail on a broken input, so a pass means something.
 """
 
@@ -425,3 +427,58 @@ def test_the_parity_check_sees_a_flag_the_vllm_server_lacks() -> None:
     served = {flag: values for flag, values in flag_map(container["args"][1:]).items() if flag not in SERVER_OWN}
     assert served != flag_map(cli_flags(args))
     assert flag_map(["--a=1", "--b", "2", "3", "--c"]) == {"--a": ["1"], "--b": ["2", "3"], "--c": []}
+
+
+# --- deploy/ray/: a KubeRay RayCluster and the instance config for ANEX_EXECUTOR=ray (test_ray.py runs jobs on it) ---
+
+RAY = DEPLOY / "ray"
+
+
+def ray_cluster_manifest() -> dict[str, Any]:
+    return load_yaml(RAY / "raycluster.yaml")
+
+
+def templates(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+    return [(name, group["template"]["spec"]) for name, group in groups]
+
+
+@pytest.mark.parametrize("group", ["head", "gpu", "cpu"])
+def test_each_pod_template_is_a_valid_pod(group: str) -> None:
+    spec = dict(templates(ray_cluster_manifest()["spec"]))[group]
+    validate_k8s(pod(spec))
+
+
+def test_a_broken_pod_template_is_refused() -> None:
+    spec = dict(templates(ray_cluster_manifest()["spec"]))["gpu"]
+    spec["containers"][0]["resourcez"] = spec["containers"][0].pop("resources")
+    with pytest.raises(Exception, match="resourcez"):
+        validate_k8s(pod(spec))
+
+
+def test_the_head_takes_no_work_and_the_workers_share_the_work_volume() -> None:
+    doc = ray_cluster_manifest()
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayCluster")
+    spec = doc["spec"]
+    head = spec["headGroupSpec"]["rayStartParams"]
+    assert head["num-cpus"] == "0" and head["num-gpus"] == "0"
+    claim = yaml.safe_load((DEPLOY / "k8s" / "work-volume.yaml").read_text())["metadata"]["name"]
+    for _, template in templates(spec):
+        [container] = template["containers"]
+        assert {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"} in container["env"]
+        assert {"name": "work", "mountPath": "/var/lib/anex/work"} in container["volumeMounts"]
+        assert {"name": "work", "persistentVolumeClaim": {"claimName": claim}} in template["volumes"]
+    gpu = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == "gpu")
+    limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits[GPU] == "1" and gpu["rayStartParams"]["num-gpus"] == "1"
+
+
+def test_the_ray_instance_config_is_a_valid_dagster_instance(monkeypatch: pytest.MonkeyPatch) -> None:
+    config, custom_class = dagster_instance_config(str(RAY))
+    assert custom_class is None
+    assert list(config["storage"]) == ["postgres"]
+    assert "run_launcher" not in config  # run workers start beside the daemon; their steps go to Ray
+    for name in ("HOST", "PORT", "USER", "PASSWORD", "DB"):
+        monkeypatch.setenv(f"DAGSTER_PG_{name}", "5432" if name == "PORT" else "x")
+    storage = process_config(DagsterPostgresStorage.config_type(), config["storage"]["postgres"])
+    assert storage.success, storage.errors

@@ -8,6 +8,7 @@ function, and describes what happened as metadata. Rows never travel through an 
 import errno
 import json
 import logging
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from anex_pipeline.orchestration.partitions import (
     shard_partitions,
     split_shard_key,
 )
+from anex_pipeline.orchestration.ray_executor import ENGINE_STEP, OTHER_STEP
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
@@ -42,6 +44,7 @@ from anex_pipeline.stopping import load_interruptibly, request_stop, stopping_on
 from anex_pipeline.storage import is_s3, localize_input
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.shard_owner import ShardTakenOver
 from anex_pipeline.workdir.timing import record_served, record_timing
 
 GROUP = "batch_job"
@@ -81,6 +84,8 @@ def _stoppable(job: JobDir) -> Iterator[None]:
             yield
     except JobStopped as exc:
         raise dg.Failure(description=f"stopped: {exc}", allow_retries=False) from None
+    except ShardTakenOver as exc:  # another attempt has the shard now: nothing to retry here
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EngineLoadFailed as exc:
         request_stop(job, str(exc))
         raise dg.Failure(description=str(exc), allow_retries=False) from None
@@ -116,6 +121,7 @@ def _shard(context: dg.AssetExecutionContext, job: JobDir) -> int:
 
 
 @dg.asset(
+    op_tags=OTHER_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=job_partitions,
     group_name=GROUP,
     kinds={"python"},
@@ -174,6 +180,7 @@ def validated_input(
 
 
 @dg.asset(
+    op_tags=OTHER_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=shard_partitions,
     deps=[dg.AssetDep(validated_input, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
@@ -188,6 +195,7 @@ def fetched_media(context: dg.AssetExecutionContext, storage: StorageResource) -
 
 
 @dg.asset(
+    op_tags=ENGINE_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=job_partitions,
     deps=[validated_input],
     group_name=GROUP,
@@ -216,6 +224,7 @@ def _estimate_metadata(report: EstimateReport, stats: dict[str, float]) -> dict[
 
 
 @dg.asset(
+    op_tags=ENGINE_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=shard_partitions,
     deps=[fetched_media, dg.AssetDep(length_estimate, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
@@ -269,10 +278,13 @@ def generations(
     generation_s = summary.seconds - summary.engine_wait_s
     record_timing(job, "engine_wait", summary.engine_wait_s)
     record_timing(job, "generate", generation_s)
-    record_served(job, dict(summary.served_by))
+    host = socket.gethostname()
+    # Rows the HTTP engine sent count under their model server; the in-process engine's under this host.
+    record_served(job, dict(summary.served_by) or ({host: summary.generated} if summary.generated else {}))
     rows_per_s, tokens_per_s = _rates(latest[0] - first_done[0], latest[2], generation_s)
     figures = {
         **summary.as_metadata(),
+        "host": host,
         "generation_s": round(generation_s, 3),
         "rows_per_s": round(rows_per_s, 3),
         "output_tokens_per_s": round(tokens_per_s, 3),
@@ -299,6 +311,7 @@ def _figures_line(f: dict[str, Any]) -> str:
 
 
 @dg.asset(
+    op_tags=OTHER_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=job_partitions,
     deps=[dg.AssetDep(generations, partition_mapping=across_jobs_and_shards)],
     group_name=GROUP,
@@ -328,6 +341,7 @@ def merged_result(context: dg.AssetExecutionContext, storage: StorageResource) -
 
 
 @dg.asset(
+    op_tags=OTHER_STEP,  # the step's resources under ANEX_EXECUTOR=ray
     partitions_def=job_partitions,
     deps=[merged_result],
     group_name=GROUP,

@@ -54,10 +54,15 @@ def _executor() -> dg.ExecutorDefinition | None:
     steps each, which follow one another, and the engine lives in the machine's shared model
     server rather than in a step, so a process per step would only add its start (seconds each).
     ``ANEX_EXECUTOR=multiprocess`` gives each step a process of its own again; ``ANEX_EXECUTOR=k8s``
-    runs each step in its own Kubernetes pod (see deploy/README.md)."""
+    runs each step in its own Kubernetes pod (see deploy/README.md), ``ANEX_EXECUTOR=ray`` as a
+    Ray job on the cluster at ``ANEX_RAY_ADDRESS`` (see docs/scale.md)."""
     choice = settings.EXECUTOR.get()
     if choice == "multiprocess":
         return dg.multiprocess_executor
+    if choice == "ray":
+        from anex_pipeline.orchestration.ray_executor import ray_executor
+
+        return ray_executor
     if choice != "k8s":
         return dg.in_process_executor
     from dagster_k8s import k8s_job_executor

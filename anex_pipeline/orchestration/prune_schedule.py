@@ -9,6 +9,7 @@ from pydantic import Field
 
 from anex_pipeline import settings
 from anex_pipeline.job_admin import parse_age, prune
+from anex_pipeline.orchestration.ray_executor import OTHER_STEP
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 
 
@@ -27,7 +28,10 @@ class RetentionSettings(dg.ConfigurableResource):
         return cls(**from_environment(cls, {"max_age": settings.RETENTION_MAX_AGE}))
 
 
-@dg.op(description="Removes jobs older than the retention age (never a running one) and expired Batch API files.")
+@dg.op(
+    description="Removes jobs older than the retention age (never a running one) and expired Batch API files.",
+    tags=OTHER_STEP,  # its resources under ANEX_EXECUTOR=ray
+)
 def prune_jobs(context: dg.OpExecutionContext, storage: StorageResource, retention_settings: RetentionSettings) -> None:
     try:
         older_than = parse_age(retention_settings.max_age)

@@ -34,10 +34,10 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
 
 
 def _machine_server_on() -> bool:
-    """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s executor."""
+    """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s and ray executors."""
     if settings.MACHINE_SERVER.is_set():
         return settings.MACHINE_SERVER.get() != "0"
-    return settings.EXECUTOR.get() != "k8s"
+    return settings.EXECUTOR.get() not in ("k8s", "ray")
 
 
 def from_environment(resource: type[dg.ConfigurableResource], fields: Mapping[str, settings.Setting]) -> dict[str, Any]:
@@ -67,7 +67,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         default_factory=_machine_server_on,
         description="vLLM engine: share one model server per machine between the step processes, "
         "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
-        "with ANEX_EXECUTOR=k8s, where each step has a pod of its own).",
+        "with ANEX_EXECUTOR=k8s or ray, where each step has a pod or a Ray job of its own).",
     )
     machine_server_idle_s: float = Field(
         default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
