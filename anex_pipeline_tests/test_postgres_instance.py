@@ -12,7 +12,6 @@ where the setup must have installed them.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,20 +24,14 @@ from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import fake_engine
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
-from anex_pipeline_tests.harness.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
+from anex_pipeline_tests.harness.postgres_server import Server, create_database, required_postgres
 
 DEPLOY_DAGSTER_YAML = REPO / "deploy" / "dagster.yaml"
 
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Server]:
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        message = "no PostgreSQL server binaries (initdb) found; scripts/ensure_postgres.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}, and under CI this test must run, not be skipped")
-        pytest.skip(message)
-    with running_postgres(bin_dir) as server:
+    with required_postgres() as server:
         yield server
 
 

@@ -31,7 +31,7 @@ import pytest
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
-from anex_pipeline_tests.harness.postgres_server import Server, create_database, postgres_bin_dir, running_postgres
+from anex_pipeline_tests.harness.postgres_server import create_database, required_postgres
 from anex_pipeline_tests.harness.ray_cluster import RayCluster, ray_cluster, wait_for
 from anex_pipeline_tests.harness.ray_location import read_log
 
@@ -127,17 +127,6 @@ class Deployment:
             }
 
 
-def _postgres() -> Iterator[Server]:
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        message = "no PostgreSQL server binaries (initdb) found; scripts/ensure_postgres.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}, and under CI this test must run, not be skipped")
-        pytest.skip(message)
-    with running_postgres(bin_dir) as server:
-        yield server
-
-
 def _dagster(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
     command = [str(Path(sys.executable).with_name("dagster")), *args, "-w", env["ANEX_TEST_WORKSPACE"]]
     return subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -155,7 +144,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         "load_from:\n  - python_module:\n      module_name: anex_pipeline_tests.harness.ray_location\n"
         f"      attribute: defs\n      working_directory: {REPO}\n      executable_path: {sys.executable}\n"
     )
-    for postgres in _postgres():
+    with required_postgres() as postgres:
         database = {
             "DAGSTER_PG_HOST": postgres.host,
             "DAGSTER_PG_PORT": str(postgres.port),

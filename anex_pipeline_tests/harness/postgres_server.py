@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg2
+import pytest
 
 from anex_pipeline_tests.harness.ports import free_port
 
@@ -94,6 +95,20 @@ def running_postgres(bin_dir: Path, *, fsync: bool = False) -> Iterator[Server]:
     finally:
         run(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
         shutil.rmtree(base, ignore_errors=True)
+
+
+@contextmanager
+def required_postgres() -> Iterator[Server]:
+    """A running server from the machine's binaries. Without them the test is skipped, except
+    under CI, where it must run and so fails."""
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        message = "no PostgreSQL server binaries (initdb) found; scripts/ensure_postgres.sh installs them"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}, and under CI this test must run, not be skipped")
+        pytest.skip(message)
+    with running_postgres(bin_dir) as server:
+        yield server
 
 
 def create_database(server: Server) -> str:
