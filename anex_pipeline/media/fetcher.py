@@ -63,7 +63,7 @@ CACHE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 T = TypeVar("T")
 
 
-class MediaOutOfTime(Exception):
+class MediaOutOfTime(AnexError):
     """The job's time limit ran out before this media arrived; the media are not at fault."""
 
 
@@ -275,7 +275,7 @@ class MediaFetcher:
     def _check_time_left(self) -> None:
         left = self._job_time_left()
         if left is not None and left <= 0:
-            raise MediaOutOfTime()
+            raise MediaOutOfTime("the job's time limit ran out before the media arrived")
 
     def _download(self, url: str) -> Cached:
         """Requests the URL, following redirects one checked hop at a time and retrying 429 and 5xx.
@@ -340,7 +340,7 @@ class MediaFetcher:
             slot = self._hosts.setdefault(key, threading.BoundedSemaphore(self.options.per_host_connections))
         left = self._job_time_left()
         if not slot.acquire(timeout=None if left is None else max(0.0, left)):
-            raise MediaOutOfTime()
+            raise MediaOutOfTime("the job's time limit ran out before the media arrived")
         try:
             yield
         finally:

@@ -20,6 +20,7 @@ from typing import Any
 import httpcore
 import httpx
 
+from anex_pipeline.errors import AnexError
 from anex_pipeline.spec import MediaOptions
 
 # Metadata services. Most live on link-local or private addresses, refused anyway; the Azure one
@@ -95,7 +96,7 @@ def allowed_endpoints(entries: Iterable[str]) -> frozenset[tuple[str, int | None
     return frozenset(found)
 
 
-class AddressRefused(Exception):
+class AddressRefused(AnexError):
     """A connection the address policy does not allow; nothing was sent."""
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 
 from anex_pipeline import settings
+from anex_pipeline.errors import RejectedError
 
 if TYPE_CHECKING:
     from dagster._core.executor.base import Executor
@@ -43,8 +44,8 @@ GPU_POOL = "gpu"
 USAGE_STATS_OFF = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
-class RayExecutorMisconfigured(dg.DagsterUserCodeExecutionError):
-    pass
+class RayExecutorMisconfigured(RejectedError):
+    """The Ray executor's settings cannot work (a bad number, no cluster at the address)."""
 
 
 def cluster_gpus(address: str) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from anex_pipeline.errors import AnexError
 from anex_pipeline.workdir.manifest import atomic_write_text
 
 OWNER_FILE = "owner.json"
@@ -31,11 +32,11 @@ LOCK_FILE = "owner.lock"
 CLAIM_WAIT_S = 60.0  # a writer holds the lock for one append; longer than this, it is stuck
 
 
-class ShardTakenOver(Exception):
+class ShardTakenOver(AnexError):
     """A later attempt has claimed the shard: this one must not write to it again."""
 
 
-class ShardLocked(OSError):
+class ShardLocked(AnexError):
     """The shard's lock stayed held for longer than one append could take."""
 
 
