@@ -18,6 +18,7 @@ from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.engine.parsing import choose_parsers
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.fetch_media import attach_media
@@ -46,8 +47,8 @@ def estimate_lengths(
     stats: dict[str, float] = {}
     if job.estimate_path.exists():
         return read_estimate(job), stats
-    if manifest.endpoint == "embeddings":
-        report = EstimateReport(method="not needed: embeddings have no output length")
+    if manifest.endpoint in POOLING:
+        report = EstimateReport(method=f"not needed: {manifest.endpoint} rows have no output length")
     else:
         need_cap = options.max_tokens is None
         need_budget = options.reasoning_budget is None and _model_thinks(manifest)
