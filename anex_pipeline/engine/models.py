@@ -26,8 +26,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from anex_pipeline.errors import RejectedError
 from anex_pipeline.paths import models_dir
+from anex_pipeline.spec import MISSING_PARAMETER, JobRejected, Problem
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -215,7 +215,8 @@ def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {sorted(_ENDPOINT_KIND)}")
 
     if name is None and kind == "scoring":
-        raise RejectedError(f"a {endpoint} job needs a cross-encoder model and none is bundled; name one with --model")
+        message = f"a {endpoint} job needs a cross-encoder model and none is bundled; name one with --model"
+        raise JobRejected([Problem(message, field="model", code=MISSING_PARAMETER)])
     if name is None:
         bundled = "embedding" if kind == "embeddings" else "chat"
     else:
