@@ -48,20 +48,29 @@ def served(tmp_path_factory: pytest.TempPathFactory, cross_encoder: Path) -> Ite
         stop_group(server.proc)
 
 
-def scored(runner_engine: EngineConfig, tmp_path: Path, model: Path) -> tuple[JobReport, dict[str, dict[str, Any]]]:
-    """Runs the rows of BODIES as a JSONL job; the report and each row's response body."""
-    rows = [{"custom_id": key, "method": "POST", "url": url, "body": body} for key, (url, body) in BODIES.items()]
+def scored(runner_engine: EngineConfig, tmp_path: Path, model: Path) -> tuple[list[JobReport], dict[str, Any]]:
+    """Runs the rows of BODIES as JSONL jobs, one per endpoint (a file holds one), on one engine;
+    the reports and each row's response body."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    src = write_jsonl(tmp_path / "in.jsonl", rows)
-    out = tmp_path / "out.jsonl"
     storage = StorageResource(work_root=str(tmp_path / "work"))
+    reports, bodies = [], {}
     with local_instance() as instance:
         runner = JobRunner(instance, storage, runner_engine)
         try:
-            report = run_job(runner, src, out, {"model": str(model)})
+            for name in ("score", "rerank"):
+                url = f"/v1/{name}"
+                rows = [
+                    {"custom_id": key, "method": "POST", "url": url, "body": body}
+                    for key, (row_url, body) in BODIES.items()
+                    if row_url == url
+                ]
+                src = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+                out = tmp_path / f"{name}.results.jsonl"
+                reports.append(run_job(runner, src, out, {"model": str(model)}))
+                bodies.update({key: line["response"]["body"] for key, line in answers(out).items()})
         finally:
             runner.close()
-    return report, {key: line["response"]["body"] for key, line in answers(out).items()}
+    return reports, bodies
 
 
 def scores_of(body: dict[str, Any]) -> list[tuple[int, float]]:
@@ -82,9 +91,10 @@ def assert_close(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
 def test_in_process_scores_match_vllm_serve_and_the_http_engine(
     tmp_path: Path, cross_encoder: Path, served: Served
 ) -> None:
-    report, local = scored(real_engine_resource(), tmp_path / "local", cross_encoder)
-    assert report.status == "completed" and report.request_counts.completed == len(BODIES)
-    assert report.usage.prompt_tokens == sum(body["usage"]["prompt_tokens"] for body in local.values())
+    reports, local = scored(real_engine_resource(), tmp_path / "local", cross_encoder)
+    assert [r.status for r in reports] == ["completed", "completed"]
+    assert sum(r.request_counts.completed for r in reports) == len(BODIES) == len(local)
+    assert sum(r.usage.prompt_tokens for r in reports) == sum(body["usage"]["prompt_tokens"] for body in local.values())
     assert len(local["one-to-many"]["data"]) == len(DOCS)
     ranked = local["rerank-all"]["results"]
     assert [r["relevance_score"] for r in ranked] == sorted((r["relevance_score"] for r in ranked), reverse=True)
@@ -100,7 +110,7 @@ def test_in_process_scores_match_vllm_serve_and_the_http_engine(
         assert answer.status_code == 200, answer.text
         assert_close(local[key], answer.json())
 
-    report, remote = scored(EngineConfig(base_url=served.url), tmp_path / "http", cross_encoder)
-    assert report.status == "completed" and report.request_counts.completed == len(BODIES)
+    reports, remote = scored(EngineConfig(base_url=served.url), tmp_path / "http", cross_encoder)
+    assert [r.status for r in reports] == ["completed", "completed"]
     for key in BODIES:
         assert_close(local[key], remote[key])
