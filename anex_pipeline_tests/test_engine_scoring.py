@@ -110,7 +110,9 @@ def test_in_process_scores_match_vllm_serve_and_the_http_engine(
     ranked = local["rerank-all"]["results"]
     assert [r["relevance_score"] for r in ranked] == sorted((r["relevance_score"] for r in ranked), reverse=True)
     assert {r["document"]["text"] for r in ranked} == set(DOCS)
-    assert local["rerank-top"]["results"] == ranked[:2]
+    top = local["rerank-top"]["results"]  # scored in another batch: equal to float32's last digits
+    assert [r["index"] for r in top] == [r["index"] for r in ranked[:2]]
+    assert all(abs(a["relevance_score"] - b["relevance_score"]) <= TOLERANCE for a, b in zip(top, ranked, strict=False))
     spread = [s for _, s in scores_of(local["one-to-many"])]
     assert max(spread) - min(spread) > 100 * TOLERANCE  # the model tells pairs apart, so the match means something
 
