@@ -148,9 +148,10 @@ def test_rerank_job_sorts_by_score_and_keeps_top_n(tmp_path: Path, fake_runner: 
 
 def test_score_job_without_a_model_is_refused_in_one_line(tmp_path: Path, fake_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [score_row("s", "a", "b")])
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(JobRejected) as caught:
         fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {})
-    assert "cross-encoder" in str(caught.value) and "--model" in str(caught.value)
+    [problem] = caught.value.problems
+    assert problem.field == "model" and "cross-encoder" in problem.message and "--model" in problem.message
     assert not (tmp_path / "out.jsonl").exists()
 
 
