@@ -1,8 +1,8 @@
 """The request body fields each endpoint accepts: one declaration that the submit check, the
 request resolution (which fields go to the sampler) and the job's sampling defaults all read.
 
-The fields mirror what vLLM's OpenAI-compatible chat, completions, embeddings and responses
-requests take and what the engines here pass on (a responses row runs as the chat row it
+The fields mirror what vLLM's OpenAI-compatible chat, completions, embeddings, responses, score
+and rerank requests take and what the engines here pass on (a responses row runs as the chat row it
 means); a field outside this table is refused at submit, with the nearest known name. Kept as
 plain data: importing vLLM's own request models takes seconds, and the check runs for every
 row, so it is a dictionary look-up and a type test per field.
@@ -14,9 +14,14 @@ import difflib
 from dataclasses import dataclass
 
 CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = "chat", "completions", "embeddings", "responses"
+SCORE, RERANK = "score", "rerank"
 GENERATION = frozenset({CHAT, COMPLETIONS, RESPONSES})
 CHAT_AND_COMPLETIONS = frozenset({CHAT, COMPLETIONS})  # fields a responses request names otherwise
-ALL = frozenset({CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES})
+SCORING = frozenset({SCORE, RERANK})  # a cross-encoder's scores of text pairs
+# Endpoints a pooling model answers: nothing is generated, so no output length is estimated and no
+# answer is checked against a format; their answers are deterministic.
+POOLING = frozenset({EMBEDDINGS, *SCORING})
+ALL = frozenset({*GENERATION, *POOLING})
 
 NUMBER = (int, float)  # a JSON number (true and false are not numbers here)
 OWN_CHECK = ()  # a field that validate.check_body checks by itself, more closely
@@ -105,10 +110,23 @@ BODY_FIELDS: dict[str, BodyField] = {
     # embeddings only
     "encoding_format": BodyField((str,), frozenset({EMBEDDINGS})),
     "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
+    # scoring: pairs of texts (score) or a query against documents (rerank)
+    "text_1": BodyField(OWN_CHECK, frozenset({SCORE})),
+    "text_2": BodyField(OWN_CHECK, frozenset({SCORE})),
+    "query": BodyField(OWN_CHECK, frozenset({RERANK})),
+    "documents": BodyField(OWN_CHECK, frozenset({RERANK})),
+    "top_n": BodyField((int,), frozenset({RERANK})),
 }
 
 # The field that holds each endpoint's prompt: what an error about the prompt names.
-PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt", EMBEDDINGS: "input", RESPONSES: "input"}
+PROMPT_FIELDS = {
+    CHAT: "messages",
+    COMPLETIONS: "prompt",
+    EMBEDDINGS: "input",
+    RESPONSES: "input",
+    SCORE: "text_2",
+    RERANK: "documents",
+}
 # Chat request fields a responses request names otherwise (the names its errors and hints use).
 RESPONSES_NAMES = {
     "messages": "input",
@@ -117,6 +135,12 @@ RESPONSES_NAMES = {
     "response_format": "text.format",
     "reasoning_effort": "reasoning.effort",
 }
+# The most texts a score row's text_2 (or text_1) or a rerank row's documents may hold: each is
+# one pair the cross-encoder reads, and a row's pairs go to the engine together.
+MAX_SCORE_TEXTS = 1024
+# The most characters one text of a score or rerank row may hold (a text past the model's context
+# fails its row at the engine; this bounds the tokenising before that).
+MAX_SCORE_TEXT_CHARS = 64 * 1024
 # The fields by which a row caps its answer's length, the first one set winning.
 CAP_FIELDS = ("max_completion_tokens", "max_tokens")
 

@@ -14,13 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
-Endpoint = Literal["chat", "completions", "embeddings", "responses"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "score", "rerank"]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
     "/v1/responses": "responses",
+    "/v1/score": "score",
+    "/v1/rerank": "rerank",
 }
 URL_BY_ENDPOINT: dict[Endpoint, str] = {v: k for k, v in ENDPOINT_BY_URL.items()}
 

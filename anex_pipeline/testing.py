@@ -16,9 +16,10 @@ from typing import Any
 from anex_pipeline.engine.base import Engine, EngineRequest, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.loader import register_engine
+from anex_pipeline.engine.scoring import score_pairs, scoring_response
 from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
-from anex_pipeline.request_fields import PROMPT_FIELDS
+from anex_pipeline.request_fields import PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
 
@@ -43,6 +44,12 @@ class FakeEngine(Engine):
             tokens = sum(len(t.split()) for t in texts)
             body = embedding_response(self.model_name, vectors, tokens, req.body.get("encoding_format"))
             return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
+        if req.endpoint in SCORING:
+            pairs = score_pairs(req.endpoint, req.body)
+            scores = [_overlap(first, second) for first, second in pairs]
+            tokens = sum(len(first.split()) + len(second.split()) for first, second in pairs)
+            body = scoring_response(req.endpoint, req.request_id, self.model_name, req.body, scores, tokens)
+            return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
         if req.endpoint == "chat" and (urls := [r.url for r in media_references(req.body) if r.remote]):
             return rejected(req, f"the engine was handed a media URL instead of data: {urls[0]}", "messages")
         prompt = one_prompt(req.body["prompt"]) if req.endpoint == "completions" else json.dumps(req.body["messages"])
@@ -62,6 +69,12 @@ class FakeEngine(Engine):
         body = body_for(req.endpoint, req.request_id, self.model_name, g)
         usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
         return RowOutcome(req.index, req.key, 200, body=body, usage=usage)
+
+
+def _overlap(first: str, second: str) -> float:
+    """A pair's score: the share of their words the two texts have in common (0 to 1)."""
+    a, b = set(first.lower().split()), set(second.lower().split())
+    return len(a & b) / len(a | b)
 
 
 _fake: dict[str, FakeEngine] = {}

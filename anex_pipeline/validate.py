@@ -12,7 +12,14 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from anex_pipeline.media.refs import part_reference, reference_problem
-from anex_pipeline.request_fields import CAP_FIELDS, NUMBER, fields_of, unknown_field
+from anex_pipeline.request_fields import (
+    CAP_FIELDS,
+    MAX_SCORE_TEXT_CHARS,
+    MAX_SCORE_TEXTS,
+    NUMBER,
+    fields_of,
+    unknown_field,
+)
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import (
     INVALID_TYPE,
@@ -83,6 +90,7 @@ INTEGER_RANGES = {
     "prompt_logprobs": (0, MAX_LOGPROBS),
     "priority": (INT64_MIN, INT64_MAX),
     "dimensions": (1, INT32_MAX),
+    "top_n": (0, INT32_MAX),  # rerank: 0 returns every document
     "n": (1, MAX_CHOICES),
     "top_logprobs": (0, MAX_LOGPROBS),
     "logprobs": (0, MAX_LOGPROBS),  # completions' count; chat's is true or false
@@ -174,6 +182,10 @@ def check_body(
         problems += _check_responses_request(body)
     elif endpoint == "completions":
         problems += check_prompt_shape(body.get("prompt"), "body.prompt", MAX_PROMPTS, "complete")
+    elif endpoint == "score":
+        problems += _check_score_request(body)
+    elif endpoint == "rerank":
+        problems += _check_rerank_request(body)
     else:
         problems += _check_embedding_request(body, model_names, shortening)
     if "response_format" in body and endpoint != "embeddings":
@@ -598,6 +610,52 @@ def _check_embedding_request(
         message = f"is {dims}, but model '{model}' makes vectors of {', '.join(map(str, allowed))} dimensions only"
         problems.append(FieldProblem("body.dimensions", message))
     return problems
+
+
+def _check_score_request(body: dict[str, Any]) -> list[FieldProblem]:
+    """A score row's ``text_1`` and ``text_2``, paired as vLLM pairs them: one to one, one to each
+    of N, or N to N in order."""
+    problems = _check_score_texts(body.get("text_1"), "body.text_1") + _check_score_texts(
+        body.get("text_2"), "body.text_2"
+    )
+    first, second = body.get("text_1"), body.get("text_2")
+    if not problems and isinstance(first, list) and len(first) > 1:
+        count = len(second) if isinstance(second, list) else 1
+        if count != len(first):
+            message = (
+                f"holds {len(first)} texts but body.text_2 holds {count}; give one text_1 for all of "
+                "text_2, or as many as text_2 has, in order"
+            )
+            problems.append(FieldProblem("body.text_1", message))
+    return problems
+
+
+def _check_rerank_request(body: dict[str, Any]) -> list[FieldProblem]:
+    """A rerank row's one ``query`` and its ``documents`` (``top_n`` is a plain integer field)."""
+    query = body.get("query")
+    if isinstance(query, list):
+        problems = [FieldProblem("body.query", "must be one string; score several queries in /v1/score rows")]
+    else:
+        problems = _check_score_texts(query, "body.query")
+    return problems + _check_score_texts(body.get("documents"), "body.documents")
+
+
+def _check_score_texts(value: Any, where: str) -> list[FieldProblem]:
+    """A string or a list of strings to score, none empty, within the count and size bounds."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts:
+        return [wrong_kind(where, value, f"must be a string or a non-empty list of strings, got {kind_of(value)}")]
+    if len(texts) > MAX_SCORE_TEXTS:
+        return [FieldProblem(where, f"holds {len(texts)} texts; at most {MAX_SCORE_TEXTS} go in one row, split it")]
+    for n, text in enumerate(texts):
+        at = where if isinstance(value, str) else f"{where}[{n}]"
+        if not isinstance(text, str):
+            return [wrong_kind(at, text, f"must be a string, got {kind_of(text)}")]
+        if not text:
+            return [FieldProblem(at, "is an empty string; there is nothing to score")]
+        if len(text) > MAX_SCORE_TEXT_CHARS:
+            return [FieldProblem(at, f"is {len(text):,} characters; at most {MAX_SCORE_TEXT_CHARS:,} are taken")]
+    return []
 
 
 def check_prompt_shape(value: Any, where: str, most: int, task: str) -> list[FieldProblem]:

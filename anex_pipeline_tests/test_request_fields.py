@@ -16,6 +16,7 @@ from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.request_fields import (
+    ALL,
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -251,7 +252,7 @@ def test_each_endpoint_takes_its_own_fields() -> None:
     assert "messages" in fields_of(CHAT) and "messages" not in fields_of(COMPLETIONS)
     assert "prompt" in fields_of(COMPLETIONS) and "dimensions" in fields_of(EMBEDDINGS)
     assert "max_output_tokens" in fields_of(RESPONSES) and "max_tokens" not in fields_of(RESPONSES)
-    assert set(PROMPT_FIELDS) == {CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES}
+    assert set(PROMPT_FIELDS) == ALL
     assert SAMPLING_FIELDS.isdisjoint(NON_SAMPLING_FIELDS) and "temperature" in SAMPLING_FIELDS
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from anex_pipeline.errors import RejectedError
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import MODEL_NOT_FOUND, JobOptions, Problem
 
 CONFIG_FILE = "adapter_config.json"
@@ -138,9 +139,9 @@ def adapter_problems(options: JobOptions, endpoint: str, local: bool) -> list[Pr
     adapter whose configuration is unreadable or whose rank vLLM cannot take."""
     modules = options.lora_modules or {}
     problems = []
-    if modules and endpoint == "embeddings":
+    if modules and endpoint in POOLING:
         problems.append(
-            Problem("adapters serve generation; remove lora_modules from an embeddings job", field="lora_modules")
+            Problem(f"adapters serve generation; remove lora_modules from a {endpoint} job", field="lora_modules")
         )
     if options.adapter is not None and options.adapter not in modules:
         known = f"the job's adapters are {', '.join(sorted(modules))}" if modules else "the job has no lora_modules"

@@ -21,7 +21,7 @@ from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS
+from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS, POOLING
 from anex_pipeline.responses import as_response
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowError, RowOutcome
 
@@ -170,7 +170,7 @@ def resolve_request(
         sampling=sampling,
         max_tokens=row_cap if row_cap is not None else max_tokens,
         cap_field=cap_field,
-        response_format=response_format if endpoint != "embeddings" else None,
+        response_format=response_format if endpoint not in POOLING else None,
         chat_template_kwargs=kwargs,
         reasoning_budget=body.get("thinking_token_budget", reasoning_budget) or None,  # the row's own wins
         parse_thinking=options.parse_thinking is not False,

@@ -25,6 +25,7 @@ from anex_pipeline.engine.http.replicas import server_urls
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
@@ -123,15 +124,15 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
     from anex_pipeline.engine.parsing import ParserNames, choose_parsers
 
     model = str(local_model_path(manifest.model))
-    embeddings = manifest.endpoint == "embeddings"
-    parsers = ParserNames() if embeddings else choose_parsers(model, manifest.model_name, manifest.job_options())
+    pooling = manifest.endpoint in POOLING
+    parsers = ParserNames() if pooling else choose_parsers(model, manifest.model_name, manifest.job_options())
     return EngineSettings(
         model=model,
         model_name=manifest.model_name,
-        runner="pooling" if embeddings else "generate",
+        runner="pooling" if pooling else "generate",
         dtype=config.dtype,
-        # Embedding models have short fixed contexts (256 for MiniLM): use the model's own.
-        max_model_len=None if embeddings else config.max_model_len,
+        # Embedding models and cross-encoders have short fixed contexts (256 for MiniLM): use the model's own.
+        max_model_len=None if pooling else config.max_model_len,
         memory_share=config.memory_share,
         kv_cache_gib=config.kv_cache_gib,
         engine_args=canonical(config.engine_args),

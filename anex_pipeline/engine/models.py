@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from anex_pipeline.paths import models_dir
+from anex_pipeline.spec import MISSING_PARAMETER, JobRejected, Problem
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -62,6 +63,10 @@ _ENDPOINT_KIND = {
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
     "/v1/responses": "chat",
+    "score": "scoring",
+    "rerank": "scoring",
+    "/v1/score": "scoring",
+    "/v1/rerank": "scoring",
 }
 
 
@@ -194,9 +199,10 @@ def embedding_model_dir() -> Path:
 def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
     """Map a job's requested model to ``(model reference, name reported in responses)``.
 
-    ``endpoint`` is ``"chat"``, ``"completions"`` or ``"embeddings"`` (the URL forms such as
-    ``"/v1/chat/completions"`` are accepted too). Without a name, chat and completions get
-    the bundled SmolLM2 and embeddings get the bundled MiniLM. The default ids and their short
+    ``endpoint`` is ``"chat"``, ``"completions"``, ``"embeddings"``, ``"score"`` or ``"rerank"``
+    (the URL forms such as ``"/v1/chat/completions"`` are accepted too). Without a name, chat and
+    completions get the bundled SmolLM2 and embeddings get the bundled MiniLM; score and rerank
+    jobs, which no bundled model answers, are refused. The default ids and their short
     names ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2", any letter case) always mean the bundled
     copy of that model, whatever the endpoint; such rows report the full default id. Any other
     name is a local path or hub id and passes through unchanged, for both values.
@@ -208,6 +214,9 @@ def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
     if kind is None:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {sorted(_ENDPOINT_KIND)}")
 
+    if name is None and kind == "scoring":
+        message = f"a {endpoint} job needs a cross-encoder model and none is bundled; name one with --model"
+        raise JobRejected([Problem(message, field="model", code=MISSING_PARAMETER)])
     if name is None:
         bundled = "embedding" if kind == "embeddings" else "chat"
     else:

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from anex_pipeline import responses
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import error_kind
 
 FileFormat = str  # the name of a format in registry.FORMATS
@@ -67,8 +68,8 @@ def write_error(exc: OSError, path: Path) -> OSError:
 
 def finish_reason_of(endpoint: str, body: dict[str, Any] | None) -> str | None:
     """Why a completion body's answer ended (``stop``, ``length``, ``tool_calls``); None for an
-    embedding or a row without a body."""
-    if body is None or endpoint == "embeddings":
+    embedding, a score or a row without a body."""
+    if body is None or endpoint in POOLING:
         return None
     if endpoint == "responses":
         return responses.finish_reason(body)

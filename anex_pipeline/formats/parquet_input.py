@@ -17,10 +17,12 @@ import pyarrow.parquet as pq
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.formats import arrow_checkpoint
 from anex_pipeline.formats.images import image_part
+from anex_pipeline.request_fields import SCORING
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     INVALID_VALUE,
     MISSING_PARAMETER,
+    URL_BY_ENDPOINT,
     Endpoint,
     InputRow,
     JobOptions,
@@ -65,7 +67,14 @@ def open_input(path: Path) -> pq.ParquetFile:
 
 
 def job_endpoint(path: Path, options: JobOptions) -> Endpoint:
-    """The option if set; otherwise embeddings for a file with only an input/text column, else chat."""
+    """The option if set; otherwise embeddings for a file with only an input/text column, else chat.
+    Score and rerank rows pair several texts, which a prompt column does not hold: refused."""
+    if options.endpoint in SCORING:
+        message = (
+            f"a Parquet job cannot run {options.endpoint}: its rows pair several texts, which a prompt "
+            f"column does not hold; write them as JSONL requests to {URL_BY_ENDPOINT[options.endpoint]}"
+        )
+        raise ParquetInputError([Problem(message, field="endpoint")])
     if options.endpoint:
         return options.endpoint
     names = set(open_input(path).schema_arrow.names)

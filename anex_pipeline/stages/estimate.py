@@ -18,6 +18,7 @@ from anex_pipeline.engine.base import Engine, resolve_request, run_checked
 from anex_pipeline.engine.parsing import choose_parsers
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.fetch_media import attach_media
@@ -53,15 +54,15 @@ def estimate_lengths(
 
 def estimate_without_sample(job: JobDir) -> EstimateReport | None:
     """The job's estimate when it takes no sample, written to the job's folder: the one made
-    before, or one the settings decide (embeddings; caps and budget set by the user; every row
+    before, or one the settings decide (embeddings, scores; caps and budget set by the user; every row
     setting its own ``max_tokens``). None when a sample has to be generated. The submit step
     records such an estimate itself, so that no step of the job's is run only to write it."""
     if job.estimate_path.exists():
         return read_estimate(job)
     manifest = job.manifest()
     options = manifest.job_options()
-    if manifest.endpoint == "embeddings":
-        report = EstimateReport(method="not needed: embeddings have no output length")
+    if manifest.endpoint in POOLING:
+        report = EstimateReport(method=f"not needed: {manifest.endpoint} rows have no output length")
     elif options.max_tokens is not None and not _needs_budget(manifest):
         report = EstimateReport(method="set by user")
     elif options.max_tokens is None and all(_sets_own_cap(row) for row in _rows(job)):

@@ -20,6 +20,7 @@ import diskcache
 import msgspec
 
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 def fingerprint(req: EngineRequest) -> str | None:
     """A digest of everything that decides the request's answer; None when sampling is random."""
     deterministic = (
-        req.endpoint == "embeddings" or req.sampling.get("temperature") == 0 or req.sampling.get("seed") is not None
+        req.endpoint in POOLING or req.sampling.get("temperature") == 0 or req.sampling.get("seed") is not None
     )
     if not deterministic:
         return None

@@ -276,3 +276,30 @@ def build_matryoshka_embedding_model(dest: Path) -> Path:
     config["matryoshka_dimensions"] = [128, 256, 384]
     (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return dest
+
+
+def build_tiny_cross_encoder(folder: Path, *, seed: int = 0) -> Path:
+    """A random 2-layer ``BertForSequenceClassification`` with one label (what vLLM scores pairs
+    with as a cross-encoder), on the embedded MiniLM's BERT tokenizer (its files copied)."""
+    import shutil
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from anex_pipeline.engine.models import embedding_model_dir
+
+    folder.mkdir(parents=True, exist_ok=True)
+    source = embedding_model_dir()
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, folder / name)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HIDDEN // HEAD_DIM,
+        max_position_embeddings=512,
+        num_labels=1,
+        initializer_range=0.5,  # BERT's 0.02 gives every pair nearly the same score
+    )
+    save_random(BertForSequenceClassification, config, folder, seed=seed)
+    return folder

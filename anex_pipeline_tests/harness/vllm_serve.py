@@ -35,17 +35,18 @@ class Served:
     log_path: Path
 
 
-def start_server(log_path: Path) -> Served:
-    """Starts a server (it takes 30-60 s to answer: see :func:`wait_healthy`)."""
+def start_server(log_path: Path, model: str | None = None) -> Served:
+    """Starts a server (it takes 30-60 s to answer: see :func:`wait_healthy`) of the embedded chat
+    model, or of the local ``model`` folder, served under the name the pipeline gives it."""
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "vllm.entrypoints.launchers.api_server.entry",
         "--model",
-        local_model_path(DEFAULT_CHAT_MODEL),
+        model or local_model_path(DEFAULT_CHAT_MODEL),
         "--served-model-name",
-        DEFAULT_CHAT_MODEL,  # the name the in-process engine writes into responses
+        model or DEFAULT_CHAT_MODEL,  # the name the in-process engine writes into responses
         "--host",
         "127.0.0.1",
         "--port",
@@ -55,9 +56,9 @@ def start_server(log_path: Path) -> Served:
         "--enforce-eager",
         "--gpu-memory-utilization",
         "0.3",
-        "--max-model-len",
-        "2048",
     ]
+    if model is None:  # a model of its own keeps its own context
+        command += ["--max-model-len", "2048"]
     env = {**os.environ, **engine_environment(kv_cache_gib=1)}  # as the pipeline starts its own
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -1,14 +1,15 @@
 """The engine that sends rows to OpenAI-compatible servers, such as ``vllm serve`` on GPU machines.
 
-Each row becomes one HTTP request to ``/v1/chat/completions``, ``/v1/completions`` or
-``/v1/embeddings``, carrying the row's body with the job's resolved values applied. With several
-servers (replicas of one model), rows are spread over them, ``max_concurrency`` in flight per
-server (:mod:`anex_pipeline.engine.http.replicas`). A row is tried again, on another server when it can,
-after a 408, 429 or 5xx answer or when its server gives no answer (which also takes that server out
-until it answers a probe); waits follow the shared retry policy (a server's ``Retry-After`` wins).
-What the server answers is what the row gets: a success body passes through untouched (embedding
-vectors are scaled to unit length), and an error answer becomes the row's error with the server's
-status code.
+Each row becomes one HTTP request to ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, or vLLM's ``/score`` and ``/rerank`` (its ``/v1/`` spellings of those two log a
+warning per request), carrying the row's body with the job's resolved values applied. With
+several servers (replicas of one model), rows are spread over them, ``max_concurrency`` in flight
+per server (:mod:`anex_pipeline.engine.http.replicas`). A row is tried again, on another server
+when it can, after a 408, 429 or 5xx answer or when its server gives no answer (which also takes
+that server out until it answers a probe); waits follow the shared retry policy (a server's
+``Retry-After`` wins). What the server answers is what the row gets: a success body passes
+through untouched (embedding vectors are scaled to unit length), and an error answer becomes the
+row's error with the server's status code.
 
 At about 430 lines this module holds one idea, the stream that keeps every server's slots full
 with its retries and the mapping between a row and its HTTP request and answer; the replicas'
@@ -34,12 +35,18 @@ from anex_pipeline.engine.completions import encoded_vector, unit_vector
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
-from anex_pipeline.request_fields import PROMPT_FIELDS
+from anex_pipeline.request_fields import POOLING, PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "score": "/score",
+    "rerank": "/rerank",
+}
 # An error type that is already an OpenAI-style failure class ("invalid_request_error"), as
 # opposed to an exception name such as vLLM's "BadRequestError".
 _OPENAI_ERROR_TYPE = re.compile(r"[a-z]+(_[a-z]+)*")
@@ -364,6 +371,8 @@ def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
         # encoding here too, from the unit vector.
         body["encoding_format"] = "float"
         return body
+    if req.endpoint in SCORING:  # nothing is sampled: the row's texts go as they are
+        return body
     body.update(req.sampling)
     body.pop("max_completion_tokens", None)
     body.pop("max_tokens", None)
@@ -421,7 +430,7 @@ def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:
     """The token counts the report adds up, from the server's ``usage`` object."""
     usage = usage or {}
     counts = {"prompt_tokens": int(usage.get("prompt_tokens") or 0)}
-    if endpoint == "embeddings":
+    if endpoint in POOLING:
         return counts
     counts["completion_tokens"] = int(usage.get("completion_tokens") or 0)
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")

@@ -4,7 +4,8 @@ vLLM is imported when an engine is built, never at module import, so that loadin
 code location stays fast. The engine is built from parts, as vLLM's own ``v1/engine`` is: the
 prompts (:mod:`.prompts`), the sampling parameters (:mod:`.sampling`), the stepping loop around
 ``LLMEngine.add_request``/``step`` (:mod:`.stepping`) and the responses (:mod:`.outputs`); this
-module loads the model, wires those parts to it, and embeds the rows of an embedding model.
+module loads the model, wires those parts to it, embeds the rows of an embedding model and scores
+the score and rerank rows of a cross-encoder (``LLM.score``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import os
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect,
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import NOTICE_TEXT, OutputParser, ParserNames
 from anex_pipeline.engine.prefix_order import PrefixCache
+from anex_pipeline.engine.scoring import score_pairs, scoring_response
 from anex_pipeline.engine.sharing import Lanes
 from anex_pipeline.engine.vllm import cpu_environment
 from anex_pipeline.engine.vllm.outputs import OutputShaper
@@ -30,11 +32,14 @@ from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler, ThinkingIds, reasoning_kwargs
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.engine.vllm.watchdog import EngineWatch
+from anex_pipeline.request_fields import SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 1.0
+# One call of a pooling model on a batch of rows with their inputs: each row with its outcome.
+PoolBatch = Callable[[list[tuple[EngineRequest, Any]]], list[tuple[EngineRequest, RowOutcome]]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class EngineSettings:
 
     model: str  # local folder or HF id
     model_name: str  # the name written into responses
-    runner: str = "generate"  # "generate" or "pooling" (embeddings)
+    runner: str = "generate"  # "generate" or "pooling" (embeddings, score, rerank)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
     memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
@@ -138,20 +143,31 @@ class VllmLocalEngine(Engine):
         (:mod:`anex_pipeline.engine.sharing`): their rows are batched together."""
         source = iter(requests)
         if self.settings.runner == "pooling":
-            yield from in_groups(self._embed, source, group_rows, stop)
+            yield from in_groups(self._pool, source, group_rows, stop)
         else:
             yield from self.stepper.stream(source, stop)
 
-    def _embed(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+    def _pool(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        """A group of rows of a pooling model: embedded, or scored as pairs (one endpoint per job,
+        so per group)."""
+        if requests and requests[0].endpoint in SCORING:
+            return self._pooled(requests, lambda req: score_pairs(req.endpoint, req.body), self._score_batch)
+        return self._pooled(requests, self._embedding_inputs, self._embed_batch)
+
+    def _pooled(
+        self, requests: Sequence[EngineRequest], inputs_of: Callable[[EngineRequest], Any], batch: PoolBatch
+    ) -> list[RowOutcome]:
+        """Each row's inputs (a row whose inputs cannot go in fails alone), then one ``batch`` call
+        for all the rest, split to find the rows at fault if vLLM refuses it."""
         outcomes: dict[int, RowOutcome] = {}
-        ready: list[tuple[EngineRequest, list[list[int]]]] = []
+        ready: list[tuple[EngineRequest, Any]] = []
         for req in requests:
             try:
-                ready.append((req, self._embedding_inputs(req)))
+                ready.append((req, inputs_of(req)))
             except RequestProblem as exc:
                 outcomes[req.index] = rejected(req, exc.message, exc.param, exc.code)
         with self.watch.call(self.llm), self.lanes.lock:  # one batch at a time on the engine
-            finished = self._embed_isolating(ready)
+            finished = self._isolating(ready, batch)
         for req, outcome in finished:
             outcomes[req.index] = outcome
         return [outcomes[r.index] for r in requests]
@@ -169,34 +185,63 @@ class VllmLocalEngine(Engine):
                 raise RequestProblem(problem, where, CONTEXT_LENGTH_EXCEEDED)
         return ids
 
-    def _embed_isolating(
-        self, ready: list[tuple[EngineRequest, list[list[int]]]]
+    def _isolating(
+        self, ready: list[tuple[EngineRequest, Any]], batch: PoolBatch
     ) -> list[tuple[EngineRequest, RowOutcome]]:
-        """Embeds the batch, every input of every row with its row's pooling parameters (vLLM
-        shortens a Matryoshka vector to the row's ``dimensions``); if vLLM refuses the batch as
-        a whole, splits it to find the rows at fault."""
-        from vllm import PoolingParams
+        """The batch's outcomes; if vLLM refuses the batch as a whole, splits it to find the rows
+        at fault, each of which fails alone with vLLM's reason."""
         from vllm.exceptions import VLLMValidationError
-        from vllm.inputs import TokensPrompt
 
         if not ready:
             return []
-        prompts = [TokensPrompt(prompt_token_ids=ids) for _, inputs in ready for ids in inputs]
-        params = [PoolingParams(dimensions=req.body.get("dimensions")) for req, inputs in ready for _ in inputs]
         try:
-            results = self.llm.embed(prompts, pooling_params=params, use_tqdm=False)
+            return batch(ready)
         except (VLLMValidationError, ValueError, TypeError) as exc:
             if len(ready) == 1:
                 req = ready[0][0]
                 return [(req, rejected(req, f"the model rejected the request: {exc}", getattr(exc, "parameter", None)))]
             log.info("batch of %d refused (%s); isolating the rows at fault", len(ready), exc)
             half = len(ready) // 2
-            return self._embed_isolating(ready[:half]) + self._embed_isolating(ready[half:])
+            return self._isolating(ready[:half], batch) + self._isolating(ready[half:], batch)
+
+    def _embed_batch(
+        self, ready: list[tuple[EngineRequest, list[list[int]]]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Embeds every input of every row with its row's pooling parameters (vLLM shortens a
+        Matryoshka vector to the row's ``dimensions``)."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for _, inputs in ready for ids in inputs]
+        params = [PoolingParams(dimensions=req.body.get("dimensions")) for req, inputs in ready for _ in inputs]
+        results = self.llm.embed(prompts, pooling_params=params, use_tqdm=False)
         vectors = iter(res.outputs.embedding for res in results)
         return [
             (req, self.outputs.embedding_outcome(req, sum(map(len, inputs)), [next(vectors) for _ in inputs]))
             for req, inputs in ready
         ]
+
+    def _score_batch(
+        self, ready: list[tuple[EngineRequest, list[tuple[str, str]]]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Scores every pair of every row in one ``LLM.score`` call (pairs N to N); each row's
+        usage counts the tokens of its pairs as the cross-encoder read them."""
+        firsts = [first for _, pairs in ready for first, _ in pairs]
+        seconds = [second for _, pairs in ready for _, second in pairs]
+        results = iter(self.llm.score(firsts, seconds, use_tqdm=False))
+        finished = []
+        for req, pairs in ready:
+            mine = [next(results) for _ in pairs]
+            failed = next((res.error for res in mine if getattr(res, "error", None) is not None), None)
+            if failed is not None:
+                finished.append((req, rejected(req, f"the model rejected the request: {failed}")))
+                continue
+            tokens = sum(len(res.prompt_token_ids) for res in mine)
+            body = scoring_response(
+                req.endpoint, req.request_id, self.model_name, req.body, [res.outputs.score for res in mine], tokens
+            )
+            finished.append((req, RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})))
+        return finished
 
 
 def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
