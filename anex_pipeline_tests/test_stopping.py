@@ -95,7 +95,9 @@ def test_the_time_limit_stops_the_job_at_an_engine_step(tmp_path: Path) -> None:
 
 def test_a_torn_stop_file_stops_the_job_and_the_report_says_it_was_asked_to_stop(tmp_path: Path) -> None:
     job = new_job(tmp_path, checkpoint_rows=1)
-    engine = SteppingEngine()
+    gate = StepGate()
+    gate.release(3)  # then the engine waits, looking for a stop, until the torn file is read
+    engine = SteppingEngine(gate=gate)
     assert job.stop_reason() is None and job.report() is None
 
     def progress(done: int, total: int, tokens: int) -> None:
