@@ -10,8 +10,6 @@ and the in-process engine is loaded once and shared by all of them. The runs are
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -196,17 +194,8 @@ class JobRunner:
         if job.job_id in self._early_loads or not unfinished_shards(job):
             return
         self._early_loads.add(job.job_id)
-
-        def load() -> None:
-            started = time.monotonic()
-            try:
-                self.engine.engine_for(manifest)
-            except Exception as exc:  # the step that needs the engine loads it again and reports why
-                log.info("loading the engine ahead of time failed: %s", exc)
-                return
-            record_timing(job, "engine_load", time.monotonic() - started)  # ~0 when it was loaded already
-
-        threading.Thread(target=load, name="anex-engine-load", daemon=True).start()
+        # ~0 s when the engine was loaded already
+        self.engine.load_ahead(manifest, lambda took: record_timing(job, "engine_load", took), "anex-engine-load")
 
     def _register(self, job: JobDir) -> None:
         """Adds the job's partition keys to this instance (a job's folder may outlive an instance,

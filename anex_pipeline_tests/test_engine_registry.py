@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from anex_pipeline.engine import loader
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import engine_for, register_engine
 from anex_pipeline.errors import EngineLoadFailed
@@ -48,3 +51,39 @@ def test_an_unknown_kind_is_one_clear_line() -> None:
         engine_for(EngineConfig(kind="nope"), manifest())
     assert str(raised.value).startswith("no engine named 'nope': use one of auto, ")
     assert "http" in str(raised.value) and "vllm" in str(raised.value)
+
+
+def test_loading_ahead_sets_up_vllms_logging_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's first engine in a process runs ``dictConfig``; on the loading thread, while another
+    thread logs, that deadlocked. ``load_ahead`` does it on the caller's thread first, and builds
+    the engine on its own."""
+    import logging.config
+
+    import vllm.logger
+    from vllm.config.logging import LoggingConfig
+
+    configured_on: list[str] = []
+    real_dict_config = logging.config.dictConfig
+    monkeypatch.setattr(vllm.logger, "_last_configured_logging_config", None)
+    monkeypatch.setattr(
+        vllm.logger,
+        "dictConfig",
+        lambda c: (configured_on.append(threading.current_thread().name), real_dict_config(c)),
+    )
+    built_on: list[str] = []
+    loaded = threading.Event()
+
+    def factory(config: EngineConfig, job: JobManifest) -> FakeEngine:
+        built_on.append(threading.current_thread().name)
+        return FakeEngine(job.model_name)
+
+    monkeypatch.setitem(loader._factories, "vllm", factory)
+    EngineResource(kind="vllm", machine_server=False).load_ahead(manifest(), lambda _: loaded.set(), "ahead")
+    assert configured_on == [threading.current_thread().name]
+    assert vllm.logger._last_configured_logging_config == LoggingConfig()  # the engine's own call finds it done
+    assert loaded.wait(30) and built_on == ["ahead"]
+
+    configured_on.clear()  # an engine that is not built in this process needs no set-up
+    register_engine("registry-ahead", factory)
+    EngineResource(kind="registry-ahead").load_ahead(manifest(), lambda _: None, "ahead-2")
+    assert configured_on == []

@@ -33,17 +33,6 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_logging_configured() -> None:
-    """vLLM configures Python's logging (``dictConfig``) when the first ``LLM`` of a process is
-    built; the runner builds it in a background thread while Dagster logs on the main one, and the
-    two deadlocked on logging's locks here once. Configured first, on this thread, vLLM leaves it."""
-    from vllm.config.logging import LoggingConfig
-    from vllm.logger import configure_logging_if_needed
-
-    configure_logging_if_needed(LoggingConfig())
-
-
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_cross_encoder(tmp_path_factory.mktemp("models") / "tiny-cross-encoder")

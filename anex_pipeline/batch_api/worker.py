@@ -115,14 +115,7 @@ class BatchWorker:
             shards=[],
             submitted_at=time.time(),
         )
-
-        def load() -> None:
-            try:
-                self.runner.engine.engine_for(manifest)
-            except Exception as exc:
-                log.warning("loading the engine for %s at start failed: %s", name, exc)
-
-        threading.Thread(target=load, name="batch-engine-warm-up", daemon=True).start()
+        self.runner.engine.load_ahead(manifest, lambda _: None, "batch-engine-warm-up")
 
     def close(self) -> None:
         """Stops the running jobs (they resume on the next start) and waits for them, unless one

@@ -30,6 +30,7 @@ from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
     "engine_for",
+    "engine_kind",
     "load_engine",
     "machine_engine",
     "register_engine",
@@ -176,7 +177,7 @@ def register_engine(kind: str, factory: EngineFactory) -> None:
 
 def engine_for(config: EngineConfig, manifest: JobManifest) -> Engine:
     """The engine a job runs on under these settings."""
-    kind = _kind(config)
+    kind = engine_kind(config)
     factory = _factories.get(kind)
     if factory is None:
         known = ", ".join(sorted(["auto", *_factories]))
@@ -184,7 +185,8 @@ def engine_for(config: EngineConfig, manifest: JobManifest) -> Engine:
     return factory(config, manifest)
 
 
-def _kind(config: EngineConfig) -> str:
+def engine_kind(config: EngineConfig) -> str:
+    """The registry name of the engine these settings pick (``auto``: http with a base_url, else vllm)."""
     return config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
 
 
@@ -193,7 +195,7 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
     server (started if none serves the job's model and settings) reached over loopback. With
     ``start=False`` only a server that is up for them already is used: None when there is none
     (or the engine is not vLLM)."""
-    if _kind(config) != "vllm":
+    if engine_kind(config) != "vllm":
         return engine_for(config, manifest) if start else None
     from anex_pipeline.engine import machine_server
     from anex_pipeline.engine.engine_args import engine_kwargs

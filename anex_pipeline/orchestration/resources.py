@@ -3,7 +3,10 @@ its plain settings (its fields are theirs) so the Dagster layer adds nothing but
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import dagster as dg
@@ -12,12 +15,15 @@ from pydantic import Field
 from anex_pipeline import settings
 from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
-from anex_pipeline.engine.loader import engine_for, machine_engine, release_engines
+from anex_pipeline.engine.loader import engine_for, engine_kind, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
+from anex_pipeline.engine.vllm.engine import configure_vllm_logging
 from anex_pipeline.stages.estimate import model_thinks
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import record_engine
+
+log = logging.getLogger(__name__)
 
 
 class StorageResource(dg.ConfigurableResource, StorageConfig):
@@ -97,16 +103,47 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
 
     def engine_for(self, manifest: JobManifest, job: JobDir | None = None) -> Engine:
         """The job's engine; with ``job``, what it is goes into the job's report."""
-        engine: Engine | None = None
-        if self.machine_server:
-            engine = machine_engine(self.plain(), manifest, self.machine_server_idle_s)
-        elif self.warm_server and not model_thinks(manifest):
-            engine = machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=self.keep_warm)
-        if engine is None:
-            engine = engine_for(self.plain(), manifest)
+        engine = self._shared_server(manifest, start=True) or engine_for(self.plain(), manifest)
         if job is not None:
             record_engine(job, engine.report_section())
         return engine
+
+    def _shared_server(self, manifest: JobManifest, *, start: bool) -> Engine | None:
+        """The machine's shared server for the job, when these settings send it there (with
+        ``start=False``, only one that is up already or that this resource starts itself)."""
+        if self.machine_server:
+            return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start)
+        if self.warm_server and not model_thinks(manifest):
+            return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start and self.keep_warm)
+        return None
+
+    def load_ahead(self, manifest: JobManifest, loaded: Callable[[float], None], thread_name: str) -> None:
+        """Loads the job's engine on a thread of its own while this one goes on; ``loaded`` gets
+        the seconds it took (a failed load is logged: the step that needs the engine loads it again
+        and reports why).
+
+        vLLM sets up Python's logging the first time a process builds an engine in it. On a thread
+        of its own, while this thread logs (Dagster's handlers do), the two threads once deadlocked
+        on logging's locks, so when the engine is to be built in this process the set-up is done
+        here first, on this thread."""
+        shared = self.machine_server or (
+            self.warm_server
+            and not model_thinks(manifest)
+            and (self.keep_warm or self._shared_server(manifest, start=False) is not None)
+        )
+        if engine_kind(self.plain()) == "vllm" and not shared:
+            configure_vllm_logging()
+
+        def load() -> None:
+            started = time.monotonic()
+            try:
+                self.engine_for(manifest)
+            except Exception as exc:
+                log.info("loading the engine ahead of time failed: %s", exc)
+                return
+            loaded(time.monotonic() - started)
+
+        threading.Thread(target=load, name=thread_name, daemon=True).start()
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if not self.keep_loaded:

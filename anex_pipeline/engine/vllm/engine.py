@@ -270,6 +270,15 @@ def _prefix_cache(llm: Any) -> PrefixCache | None:
     return PrefixCache(block_tokens=cache.block_size, capacity_tokens=cache.num_gpu_blocks * cache.block_size)
 
 
+def configure_vllm_logging() -> None:
+    """Applies vLLM's default logging set-up in this process now, on the calling thread; the
+    engines built later find it done and leave Python's logging alone."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())
+
+
 def _cpu_build() -> bool:
     from vllm.platforms import current_platform
 
