@@ -18,18 +18,10 @@ from pydantic import BaseModel, ValidationError
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import INVALID_JSON, INVALID_TYPE, INVALID_VALUE, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import FileTooLarge, read_regular_file
-from anex_pipeline.validate import (
-    KIND_WORDS,
-    NUMBER_FIELDS,
-    FieldProblem,
-    check_fields,
-    check_numbers,
-    check_response_format,
-    deeper_than,
-    kind_of,
-    non_finite_problems,
-    pydantic_code,
-)
+from anex_pipeline.validate import check_fields
+from anex_pipeline.validate.answers import check_response_format
+from anex_pipeline.validate.numbers import NUMBER_FIELDS, check_numbers, deeper_than, non_finite_problems
+from anex_pipeline.validate.problems import KIND_WORDS, FieldProblem, kind_of, pydantic_code
 
 SIDECAR_SUFFIX = ".job.json"  # <input>.job.json: the options that go with an input file
 # Job options are read whole and then travel in Dagster run configs: an options file, a sidecar or

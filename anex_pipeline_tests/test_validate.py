@@ -8,15 +8,11 @@ from typing import Any
 import pytest
 
 from anex_pipeline.spec import INVALID_TYPE, INVALID_VALUE, MISSING_PARAMETER, UNKNOWN_PARAMETER
-from anex_pipeline.validate import (
-    FieldProblem,
-    check_body,
-    check_numbers,
-    check_prompt_shape,
-    check_response_format,
-    deeper_than,
-    pydantic_code,
-)
+from anex_pipeline.validate import check_body
+from anex_pipeline.validate.answers import check_response_format
+from anex_pipeline.validate.inputs import check_prompt_shape
+from anex_pipeline.validate.numbers import check_numbers, deeper_than
+from anex_pipeline.validate.problems import FieldProblem, pydantic_code
 
 MODELS = frozenset({"m"})
 HELLO = [{"role": "user", "content": "hello"}]

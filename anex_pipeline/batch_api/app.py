@@ -49,7 +49,7 @@ from anex_pipeline.spec import (
     MediaOptions,
     RequestCounts,
 )
-from anex_pipeline.validate import pydantic_code
+from anex_pipeline.validate.problems import pydantic_code
 
 log = logging.getLogger("anex_pipeline.batch_api")
 

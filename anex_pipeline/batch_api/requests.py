@@ -28,7 +28,7 @@ from anex_pipeline.spec import (
     JobRejected,
     MediaOptions,
 )
-from anex_pipeline.validate import pydantic_code
+from anex_pipeline.validate.problems import pydantic_code
 
 OPTIONS_METADATA_KEY = "anex_options"
 

@@ -26,7 +26,8 @@ from anex_pipeline.spec import (
     Problem,
 )
 from anex_pipeline.spec import MISSING_PARAMETER as MISSING
-from anex_pipeline.validate import check_body, kind_of
+from anex_pipeline.validate import check_body
+from anex_pipeline.validate.problems import kind_of
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
 MAX_LINE_BYTES = 32 * 1024 * 1024

@@ -28,7 +28,8 @@ from anex_pipeline.spec import (
     JobOptions,
     Problem,
 )
-from anex_pipeline.validate import FieldProblem, check_body
+from anex_pipeline.validate import check_body
+from anex_pipeline.validate.problems import FieldProblem
 
 T = TypeVar("T")
 BATCH_ROWS = 16_384
