@@ -28,6 +28,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
+from anex_pipeline.orchestration.ray_executor import prune_finished_steps
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
@@ -239,6 +240,11 @@ def test_a_job_from_the_inbox_spreads_its_shards_over_the_nodes(deployment: Depl
     # The runs set the gpu pool to the cluster's GPUs (deploy/ray/dagster.yaml starts it at 1).
     with deployment.instance() as instance:
         assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 3
+
+    # Pruning removes the steps' finished Ray jobs from the head's job table once they are old enough.
+    assert prune_finished_steps(deployment.cluster.dashboard, older_than_s=3600) == []
+    removed = prune_finished_steps(deployment.cluster.dashboard, older_than_s=0)
+    assert {j.submission_id for j in ray_jobs} <= set(removed) and deployment.ray_jobs(runs) == []
 
 
 def _nodes(deployment: Deployment) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from anex_pipeline import settings
 from anex_pipeline.job_admin import parse_age, prune
-from anex_pipeline.orchestration.ray_executor import OTHER_STEP
+from anex_pipeline.orchestration.ray_executor import OTHER_STEP, prune_finished_steps
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 
 
@@ -43,6 +43,9 @@ def prune_jobs(context: dg.OpExecutionContext, storage: StorageResource, retenti
         context.log.info(f"removed {r.kind} {r.id}: {r.reason}")
     if not removed:
         context.log.info(f"nothing to remove: no job is older than {retention_settings.max_age}, no file has expired")
+    if settings.EXECUTOR.get() == "ray" and settings.RAY_ADDRESS.get():
+        steps = prune_finished_steps(settings.RAY_ADDRESS.get(), older_than)
+        context.log.info(f"deleted {len(steps)} finished step(s) from the Ray head's job table")
 
 
 @dg.job(description="Prunes old jobs and expired Batch API files once.")
@@ -59,7 +62,8 @@ def prune_old_jobs() -> dg.ScheduleDefinition:
         default_status=dg.DefaultScheduleStatus.STOPPED,
         description=(
             "Removes jobs not active for longer than max_age (ANEX_RETENTION_MAX_AGE, default 30d) that are not "
-            "running, with their Dagster runs and partition keys, and the Batch API's expired files; result files "
-            "stay. Daily by default (ANEX_RETENTION_CRON)."
+            "running, with their Dagster runs and partition keys, the Batch API's expired files and, under "
+            "ANEX_EXECUTOR=ray, the steps' finished Ray jobs of that age; result files stay. Daily by default "
+            "(ANEX_RETENTION_CRON)."
         ),
     )

@@ -14,6 +14,8 @@ driver is the step process), with these differences from dagster-ray's own ``ray
 - The ``gpu`` pool's limit is set to the GPUs of the cluster's live nodes when a run starts, so
   as many engine steps run at once as there are GPUs.
 - Ray's usage statistics are off, in this process and in every step.
+- The head keeps every Ray job it ever ran in its job table; the prune schedule deletes the steps'
+  finished Ray jobs (:func:`prune_finished_steps`) once they are as old as the jobs it removes.
 
 The cluster is ``ANEX_RAY_ADDRESS``: its dashboard's address (``http://head:8265``), as for
 ``ray job submit``. Each step's process gets the ``ANEX_*`` settings of the run's process.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -55,6 +58,24 @@ def cluster_gpus(address: str) -> int:
     # (A state filter on list_nodes still returned dead nodes here.)
     nodes = list_nodes(address=address, detail=True, raise_on_missing_output=False)
     return int(sum(node.resources_total.get("GPU", 0) for node in nodes if node.state == "ALIVE"))
+
+
+def prune_finished_steps(address: str, older_than_s: float) -> list[str]:
+    """Deletes the Ray jobs of Dagster steps (dagster-ray labels them with their run's id) that
+    ended more than ``older_than_s`` ago from the head's job table (Ray leaves their log files on
+    the nodes); returns their submission ids. Other Ray jobs on the cluster, and steps still
+    running, are left alone."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    cutoff_ms = (time.time() - older_than_s) * 1000
+    removed = []
+    for job in client.list_jobs():
+        step = "dagster/run-id" in (job.metadata or {}) and job.submission_id is not None
+        old = job.status.is_terminal() and job.end_time is not None and job.end_time <= cutoff_ms
+        if step and old and client.delete_job(job.submission_id):
+            removed.append(job.submission_id)
+    return removed
 
 
 def step_environment() -> dict[str, str]:
