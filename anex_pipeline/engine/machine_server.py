@@ -423,7 +423,8 @@ def stop_server(folder: Path | None = None) -> ServerState | None:
 # -- the supervisor ------------------------------------------------------------------------------
 def supervise(folder: Path, idle_s: float, command: list[str]) -> int:
     """Runs the server until it dies, is told to stop, or has been idle for ``idle_s``."""
-    guard_descendants()  # vLLM's engine processes end with this supervisor, however it ends
+    # vLLM's engine processes end with this supervisor, however it ends; its session is its own
+    guard_descendants(own_group=True)
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_dies_with(os.getpid()))
     stopping = False
 

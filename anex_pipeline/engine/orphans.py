@@ -11,7 +11,10 @@ only write end stays in this process; the kernel closes that end when this proce
 crash or signal. Until then the guard notes this process's descendants every ``SCAN_INTERVAL_S``
 (pid and start time from /proc, so that a pid the system later gives to an unrelated process is
 never taken for one of them). When the pipe closes it looks once more, SIGKILLs every noted
-process that is still the same process, and exits. A multiprocessing resource tracker is spared:
+process that is still the same process, and exits. A process that started in the last instant
+and whose parent died with this process may be missed by those looks (it has been handed to
+init); a process that leads a session of its own, as the shared server's supervisor does, asks
+the guard to also kill what is left in its group, where such a process still is. A multiprocessing resource tracker is spared:
 it ends by itself once the processes it serves are gone, after removing the shared memory they
 left behind. So is the machine's shared model server (``anex_pipeline.engine.machine_server``)
 with everything under it: it is meant to outlive the process that started it.
@@ -33,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 SCAN_INTERVAL_S = 0.2
@@ -48,9 +52,12 @@ _guarded_pid: int | None = None  # the process _guard watches
 _pipe_end: int | None = None  # the write end; it closes when the process ends
 
 
-def guard_descendants() -> None:
+def guard_descendants(*, own_group: bool = False) -> None:
     """Makes sure a guard kills this process's descendants when it ends (one guard per process;
-    a forked child that calls this gets its own)."""
+    a forked child that calls this gets its own). ``own_group``: this process leads a process
+    group that holds nothing but its own tree (it was started in a session of its own), so the
+    guard also kills what is left in that group: a descendant whose parent died with this process
+    is found there even if no scan had noted it yet."""
     global _guard, _guarded_pid, _pipe_end
     with _lock:
         if _guarded_pid == os.getpid():
@@ -58,7 +65,7 @@ def guard_descendants() -> None:
         read_end, write_end = os.pipe()  # neither end is inherited by the processes we start
         try:
             _guard = subprocess.Popen(
-                [sys.executable, "-I", "-S", __file__, str(os.getpid())],
+                [sys.executable, "-I", "-S", __file__, str(os.getpid()), *(["--own-group"] if own_group else [])],
                 stdin=read_end,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,  # nor does it hold the caller's output pipes open
@@ -82,11 +89,18 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def process_table() -> dict[int, tuple[int, int]]:
     """Every process on the machine: pid -> (parent pid, start time in clock ticks since boot)."""
-    table = {}
+    return {pid: (int(fields[PPID]), int(fields[START])) for pid, fields in _all_stats()}
+
+
+def group_members(group: int) -> dict[int, int]:
+    """The processes of a process group: pid -> start time."""
+    return {pid: int(fields[START]) for pid, fields in _all_stats() if int(fields[PGRP]) == group}
+
+
+def _all_stats() -> Iterator[tuple[int, list[bytes]]]:
     for name in os.listdir("/proc"):
         if name.isdigit() and (fields := _stat(int(name))) is not None:
-            table[int(name)] = (int(fields[PPID]), int(fields[START]))
-    return table
+            yield int(name), fields
 
 
 def start_time(pid: int) -> int | None:
@@ -202,12 +216,16 @@ def _parent_gone(timeout: float) -> bool:
     return bool(ready) and os.read(0, 1) == b""
 
 
-def watch(parent: int) -> None:
-    """The guard's work: note ``parent``'s descendants until the pipe closes, then kill them."""
-    known: dict[int, int] = {}
+def watch(parent: int, own_group: bool = False) -> None:
+    """The guard's work: note ``parent``'s descendants until the pipe closes, then kill them
+    (with ``own_group``, also what is left in the group ``parent`` leads)."""
+    known = descendants(parent)  # at once: the parent may end before the first interval is over
     while not _parent_gone(SCAN_INTERVAL_S):
         known = descendants(parent, known)
-    kill_all(descendants(parent, known))  # with what started since the last look
+    known = descendants(parent, known)  # with what started since the last look
+    if own_group:
+        known.update((pid, start) for pid, start in group_members(parent).items() if pid != parent)
+    kill_all(known)
 
 
 def kill_all(known: dict[int, int]) -> None:
@@ -220,4 +238,4 @@ def kill_all(known: dict[int, int]) -> None:
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]))
+    watch(int(sys.argv[1]), own_group="--own-group" in sys.argv[2:])
