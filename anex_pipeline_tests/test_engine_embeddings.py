@@ -15,6 +15,7 @@ from openai.types import CreateEmbeddingResponse
 from anex_pipeline.engine.models import embedding_model_dir
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected
+from anex_pipeline_tests.harness.batch_api import client, content, serving, wait
 from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -108,6 +109,29 @@ def test_every_input_shape_gives_one_indexed_vector_per_input(tmp_path: Path, re
         assert from_base64(encoded["embedding"]) == pytest.approx(floats.embedding, abs=1e-6)
     assert report.request_counts.completed == 5
     assert report.usage.prompt_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in lines)
+
+
+def test_the_batch_api_gives_the_sdk_one_vector_per_listed_input(tmp_path: Path, real_runner: JobRunner) -> None:
+    """The same lists through the Batch API, read back with the ``openai`` SDK."""
+    texts = list(TEXTS.values())[:3]
+    bodies = {"list": {"input": texts}, "b64": {"input": texts[:2], "encoding_format": "base64"}}
+    rows = [{"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": b} for k, b in bodies.items()]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    with serving(real_runner) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            uploaded = sdk.files.create(file=f, purpose="batch")
+        created = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        batch = wait(sdk, created.id, timeout=300)
+        output = {line["custom_id"]: line["response"]["body"] for line in content(sdk, batch.output_file_id)}
+    assert batch.status == "completed" and batch.error_file_id is None
+    listed = CreateEmbeddingResponse.model_validate(output["list"])
+    assert [d.index for d in listed.data] == [0, 1, 2]
+    assert all(abs(unit_length(d.embedding) - 1.0) < 1e-5 for d in listed.data)
+    guitar, other_guitar, stocks = (d.embedding for d in listed.data)
+    assert cosine(guitar, other_guitar) > cosine(guitar, stocks)  # each vector is its own input's
+    encoded = [d["embedding"] for d in output["b64"]["data"]]
+    assert [from_base64(e) for e in encoded] == [pytest.approx(d.embedding, abs=1e-6) for d in listed.data[:2]]
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.runner import JobRunner
+from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
 pytestmark = pytest.mark.engine
@@ -156,6 +157,28 @@ TIME = {
         },
     },
 }
+
+
+def test_the_batch_api_gives_the_sdk_logprobs_and_choices(tmp_path: Path, real_runner: JobRunner) -> None:
+    """Logprobs and ``n`` through the Batch API, read back with the ``openai`` SDK's types."""
+    rows = [
+        chat_row("logprobs", "Name a colour.", max_tokens=8, temperature=0, logprobs=True, top_logprobs=2),
+        chat_row("three", "Invent a word.", max_tokens=8, temperature=1.0, seed=5, n=3),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    with serving(real_runner) as url:
+        sdk = client(url)
+        batch = wait(sdk, submit(sdk, src).id, timeout=300)
+        output = {line["custom_id"]: line["response"]["body"] for line in content(sdk, batch.output_file_id)}
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert batch.request_counts is not None and batch.request_counts.completed == 2
+
+    body = ChatCompletion.model_validate(output["logprobs"])
+    tokens = body.choices[0].logprobs.content
+    assert body.usage is not None and len(tokens) == body.usage.completion_tokens > 0
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in tokens)
+    three = ChatCompletion.model_validate(output["three"])
+    assert [c.index for c in three.choices] == [0, 1, 2] and all(c.message.content for c in three.choices)
 
 
 def test_forced_tool_calls_are_generated_as_calls_that_validate(tmp_path: Path, real_runner: JobRunner) -> None:
