@@ -146,6 +146,7 @@ def test_a_row_naming_an_unknown_adapter_is_refused_with_its_line(
     assert "field 'adapter'" in err and "'nosuch'" in err
 
 
+@pytest.mark.slow
 def test_rows_choose_their_adapter_and_the_report_counts_rows_per_model(
     tmp_path: Path, instance: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -49,6 +49,7 @@ def generated_during(action: Any) -> list[str]:
     return engine.seen[before:]
 
 
+@pytest.mark.slow
 def test_a_rerun_with_some_rows_changed_generates_only_those(tmp_path: Path, fake_runner: JobRunner) -> None:
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first_in = write_jsonl(tmp_path / "v1.jsonl", rows(20))
@@ -72,6 +73,7 @@ def test_a_rerun_with_some_rows_changed_generates_only_those(tmp_path: Path, fak
             assert "(edited)" in new["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_no_answer_is_served_across_engine_settings_sampling_or_with_the_store_off(
     tmp_path: Path, instance: dg.DagsterInstance
 ) -> None:
@@ -93,6 +95,7 @@ def test_no_answer_is_served_across_engine_settings_sampling_or_with_the_store_o
     assert len(generated_during(lambda: run(first, random_in, tmp_path / "f.jsonl", {"checkpoint_rows": 7}))) == 3
 
 
+@pytest.mark.slow
 def test_deleting_the_job_that_generated_answers_removes_them(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     storage = StorageResource(work_root=str(tmp_path / "work"))
     runner = JobRunner(instance, storage, fake_engine())
@@ -150,6 +153,7 @@ def key_of(endpoint: str, body: dict[str, Any], options: JobOptions) -> str | No
     return fingerprint(req)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,

@@ -43,6 +43,7 @@ def indices(path: Path) -> list[int]:
     return latest(path).column("i").to_pylist()
 
 
+@pytest.mark.slow
 def test_a_torn_append_at_any_byte_keeps_the_chunks_before_it(tmp_path: Path) -> None:
     path = tmp_path / "results.arrow"
     arrow_checkpoint.append(path, [answer(0), answer(1)], "chat")

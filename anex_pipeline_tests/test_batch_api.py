@@ -161,6 +161,7 @@ def test_cancel_delivers_the_finished_rows(tmp_path: Path, instance: dg.DagsterI
     assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(len(output))]
 
 
+@pytest.mark.slow
 def test_restart_keeps_records_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANEX_FAKE_ROW_DELAY_S", "0.1")
     src = write_jsonl(tmp_path / "in.jsonl", rows(30))
@@ -434,6 +435,7 @@ def create_raw(url: str, body: dict[str, Any], key: str = KEY_A) -> httpx.Respon
     return httpx.post(f"{url}/batches", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
+@pytest.mark.slow
 def test_only_the_operators_models_are_served(tmp_path: Path, fake_runner: JobRunner) -> None:
     """A model outside the operator's list gets one refusal, whatever it names on the server: no
     answer tells an existing file, folder or unreadable folder from a missing one."""
@@ -602,6 +604,7 @@ def race(*calls: Callable[[], httpx.Response]) -> list[httpx.Response]:
     return answers  # type: ignore[return-value]
 
 
+@pytest.mark.slow
 def test_a_batch_made_from_a_file_and_a_delete_of_it_never_both_succeed(tmp_path: Path, fake_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row("big", "x" * 2_000_000)])  # its copy takes a while
     headers = {"Authorization": f"Bearer {KEY_A}"}
@@ -625,6 +628,7 @@ def test_a_batch_made_from_a_file_and_a_delete_of_it_never_both_succeed(tmp_path
                 assert all(b.input_file_id != file_id for b in sdk.batches.list())
 
 
+@pytest.mark.slow
 def test_creates_racing_with_one_idempotency_key_leave_no_stray_input_files(
     tmp_path: Path, fake_runner: JobRunner
 ) -> None:
@@ -687,6 +691,7 @@ def test_after_a_sigkilled_serve_a_lost_job_breaks_no_listing_and_its_batch_come
         assert [b.status for b in alice.batches.list().data] == ["failed", "completed"]
 
 
+@pytest.mark.slow
 def test_a_batch_whose_job_cannot_be_read_breaks_no_listing(tmp_path: Path, slow_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(40))
     work = Path(slow_runner.storage.work_root)

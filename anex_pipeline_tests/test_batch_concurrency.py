@@ -27,6 +27,7 @@ def counts(sdk: object, batch_id: str) -> int:
     return 0 if found is None else found.completed
 
 
+@pytest.mark.slow
 def test_two_keys_batches_run_together_and_a_cancel_stops_only_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -115,6 +115,7 @@ def no_event_pending(instance: dg.DagsterInstance, work_root: str, timeout: floa
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_finished_and_a_cancelled_batch_send_one_signed_event_each(tmp_path: Path, slow_runner: JobRunner) -> None:
     done_src = write_jsonl(tmp_path / "done.jsonl", rows(2))
     long_src = write_jsonl(tmp_path / "long.jsonl", rows(40))
@@ -142,6 +143,7 @@ def test_a_finished_and_a_cancelled_batch_send_one_signed_event_each(tmp_path: P
     assert headers["webhook-id"] == events[0]["id"] and headers["webhook-signature"].startswith("v1,")
 
 
+@pytest.mark.slow
 def test_a_batch_that_fails_or_reaches_its_time_limit_sends_its_event(tmp_path: Path, slow_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(40))
     broken = tmp_path / "broken.jsonl"
@@ -170,6 +172,7 @@ def test_a_wrong_signature_does_not_verify(tmp_path: Path, fake_runner: JobRunne
         other.webhooks.verify_signature(body, headers)
 
 
+@pytest.mark.slow
 def test_a_receiver_that_never_answers_holds_up_no_batch(tmp_path: Path, fake_runner: JobRunner) -> None:
     """The receiver takes the connection and never answers: while the first event's delivery
     waits for it, later batches still run and end."""

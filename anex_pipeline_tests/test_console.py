@@ -267,6 +267,7 @@ def summary_of(stderr: str) -> list[str]:
     return lines[start:]
 
 
+@pytest.mark.slow
 def test_the_run_ends_with_a_summary_and_the_json_report_only_when_piped_or_asked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,6 +84,7 @@ def test_settings_are_read_when_the_definitions_load(monkeypatch: pytest.MonkeyP
         assert built.storage.work_root == str(tmp_path / "later")
 
 
+@pytest.mark.slow
 def test_materializing_partitions_from_dagster_equals_the_cli_result(tmp_path: Path) -> None:
     rows = [chat_row(f"d{i}", f"question {i}", max_tokens=12) for i in range(30)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -64,6 +64,7 @@ def spelled(root: Path, prefix: str, name: str) -> str:
     return prefix.format(root=root) + name
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(output=destination, report=st.none() | destination, options=st.none() | options_file)
 @example(output=("", "in.jsonl"), report=None, options=None)

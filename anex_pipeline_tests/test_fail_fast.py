@@ -259,6 +259,7 @@ def silent_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         conn.close()
 
 
+@pytest.mark.slow
 def test_an_s3_input_on_a_silent_endpoint_gives_up_as_soon_as_the_output_probe(
     silent_endpoint: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

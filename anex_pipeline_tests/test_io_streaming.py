@@ -126,6 +126,7 @@ def merge_peak(job: JobDir) -> int:
         assert report.request_counts.completed == manifest.total_rows
 
 
+@pytest.mark.slow
 def test_merge_memory_does_not_grow_with_the_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jsonl_checkpoint, "PATCH_BYTES", 1 << 16)
     small = merge_peak(chat_job(tmp_path, 6_000, shards=1))

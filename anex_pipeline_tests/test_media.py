@@ -517,6 +517,7 @@ def trickle() -> Iterator[TrickleServer]:
     s.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["direct", "after-a-slow-redirect", "tls-handshake"])
 def test_a_host_that_trickles_its_headers_fails_at_the_timeout(server: MediaServer, case: str) -> None:
     tls = case == "tls-handshake"
@@ -536,6 +537,7 @@ def test_a_host_that_trickles_its_headers_fails_at_the_timeout(server: MediaServ
     assert trickle.connections == 1
 
 
+@pytest.mark.slow
 def test_the_job_time_limit_holds_in_the_media_stage(
     tmp_path: Path, fake_runner: JobRunner, trickle: TrickleServer
 ) -> None:

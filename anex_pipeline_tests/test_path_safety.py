@@ -116,6 +116,7 @@ def test_result_keys_stay_under_the_output_prefix(name: str) -> None:
 IDS = ["../../../../x", "/etc/passwd", f"{ESCAPE}/a", "a\x00b", "\u202egnp.exe", "\U0001f600", "y" * 2000]
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=st.lists(hostile.filter(bool), min_size=1, max_size=6, unique=True), stem=hostile)
 @example(ids=IDS, stem="../../evil")

@@ -87,6 +87,7 @@ def test_parquet_job_adds_row_index_output_and_error_type(tmp_path: Path, fake_r
     assert sum(m["completion_tokens"] or 0 for m in meta) == report.usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_parquet_row_metadata_survives_a_resume_and_can_be_turned_off(tmp_path: Path, fake_runner: JobRunner) -> None:
     prompts = [f"say {'more ' * (i % 5)}about {i}" for i in range(40)]
     pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")
@@ -218,6 +219,7 @@ def slow_engine(config, manifest):  # type: ignore[no-untyped-def]
 register_engine("slow", slow_engine)
 
 
+@pytest.mark.slow
 def test_time_limit_stops_early_and_delivers_finished_rows(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     runner = JobRunner(instance, StorageResource(work_root=str(tmp_path / "w")), fake_engine("slow"))
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q {i}", max_tokens=20) for i in range(100)])

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,6 +56,7 @@ def run_until_complete(runner: JobRunner, src: Path, out: Path, options: dict) -
     raise AssertionError("the job never completed")
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     kinds=st.lists(st.sampled_from(["ok", "ok", "ok", "too-long"]), min_size=1, max_size=30),

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
 
 
+@pytest.mark.slow
 def test_a_result_without_rows_is_not_published(tmp_path: Path, fake_runner: JobRunner) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
     out = tmp_path / "out.jsonl"

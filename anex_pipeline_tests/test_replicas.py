@@ -59,6 +59,7 @@ def test_rows_spread_over_the_servers_with_a_bound_per_server(two: list[FakeServ
     assert {o.server for o in outcomes} == {s.url for s in two}
 
 
+@pytest.mark.slow
 def test_a_server_that_goes_away_mid_stream_loses_no_row(two: list[FakeServer]) -> None:
     engine = engine_on([s.url for s in two], max_concurrency=2)
     stream = engine.stream((request(i, "slow") for i in range(30)), 8)
@@ -126,6 +127,7 @@ def test_server_urls_read_lists_and_refuse_what_is_not_a_server() -> None:
         engine_on([f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"], retries=0)
 
 
+@pytest.mark.slow
 def test_cli_takes_several_base_urls_and_the_report_says_who_served_what(
     tmp_path: Path, two: list[FakeServer], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -223,6 +223,7 @@ def test_expired_files_answer_404_and_prune_removes_them_and_their_jobs(tmp_path
         assert prune(instance, work, None, at=now + 7300) == []
 
 
+@pytest.mark.slow
 def test_the_prune_schedule_runs_prune_with_its_age_setting(tmp_path: Path, fake_runner: JobRunner) -> None:
     old = run_job(fake_runner, write_jsonl(tmp_path / "old.jsonl", [chat_row("a", "hi")]), tmp_path / "o.jsonl")
     new = run_job(fake_runner, write_jsonl(tmp_path / "new.jsonl", [chat_row("b", "hi")]), tmp_path / "n.jsonl")

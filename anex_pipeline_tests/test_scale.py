@@ -55,6 +55,7 @@ def test_shard_count_follows_the_rows_the_tokens_and_the_options() -> None:
     assert "shard_rows" in zero.value.render()
 
 
+@pytest.mark.slow
 def test_forty_shards_complete_once_in_order_with_exactly_their_keys_and_delete_removes_them(
     tmp_path: Path,
     home: Path,
@@ -97,6 +98,7 @@ def test_a_job_prepared_again_with_fewer_shards_keeps_only_those_keys(tmp_path: 
         assert shard_keys_on(instance, "j") == shard_keys("j", 1200)
 
 
+@pytest.mark.slow
 def test_a_job_whose_shards_have_no_keys_is_run_by_the_cli_and_by_the_driver(tmp_path: Path) -> None:
     """What an instance from before shards had keys holds: the job's key and its work folder."""
     rows = [chat_row(f"m{i}", f"question {i}") for i in range(9)]
@@ -140,6 +142,7 @@ def test_real_engine_job_with_four_shards_has_four_keys(tmp_path: Path, real_run
     assert materialized(instance, "merged_result", report.job_id) == [report.job_id]
 
 
+@pytest.mark.slow
 def test_three_thousand_shards_get_their_keys_and_the_driver_asks_for_each_once(tmp_path: Path) -> None:
     """Thousands of shards: prepared, keyed and requested by the driver in one tick (not run)."""
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"t{i}", f"q{i}") for i in range(3000)])

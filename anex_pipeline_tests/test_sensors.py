@@ -73,6 +73,7 @@ def test_definitions_hold_the_sensors_and_schedule_switched_off() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_s3_object_becomes_one_job_and_an_overwrite_another(bucket: Callable[..., Any]) -> None:
     deployment, client = bucket(prefix="", output_prefix="out/")
     rows = [chat_row("a", "hello")]
@@ -119,6 +120,7 @@ def test_sidecar_options_reach_the_run_config(bucket: Callable[..., Any]) -> Non
     ]
 
 
+@pytest.mark.slow
 def test_a_big_bucket_is_paged_across_ticks_without_loss_or_repeat(bucket: Callable[..., Any]) -> None:
     deployment, client = bucket(page_limit=3)
     keys = {f"in/part-{n:02d}.jsonl" for n in range(8)}
@@ -135,6 +137,7 @@ def test_a_big_bucket_is_paged_across_ticks_without_loss_or_repeat(bucket: Calla
     assert len(deployment.instance.get_dynamic_partitions(JOBS)) == 8
 
 
+@pytest.mark.slow
 def test_s3_file_to_result_under_the_output_prefix(bucket: Callable[..., Any]) -> None:
     deployment, client = bucket()
     rows = [chat_row(f"q{i}", f"question {i}", max_tokens=12) for i in range(5)]
@@ -223,6 +226,7 @@ def test_keys_that_would_share_a_result_key_are_refused_once_in_the_tick_log(
     assert told() == [f"s3://{BUCKET}/in/./x.jsonl"]  # a new version is told again
 
 
+@pytest.mark.slow
 def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     deployment = local_deployment(tmp_path, instance)  # inbox and outbox beside the work folder
     inbox = tmp_path / "inbox" / "team"
@@ -304,6 +308,7 @@ def test_local_inbox_takes_each_file_once_and_a_changed_file_again(
     assert [c["input"] for c in submitted(deployment.tick("local_inbox"))] == [str(inbox / "copying.jsonl")]
 
 
+@pytest.mark.slow
 def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine()), instance)
     src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"u{i}", f"question {i}", max_tokens=9) for i in range(12)])
@@ -340,6 +345,7 @@ def test_driver_runs_a_job_launched_from_the_ui(tmp_path: Path, instance: dg.Dag
     assert not set(r.run_key for r in again) & set(deployment.run_keys[: -len(again)])
 
 
+@pytest.mark.slow
 def test_retry_schedule_reruns_only_shards_with_failed_rows_up_to_its_limit(
     tmp_path: Path, instance: dg.DagsterInstance
 ) -> None:
@@ -398,6 +404,7 @@ BROKEN = {"now": True}
 register_engine("broken", lambda config, manifest: BrokenEngine(manifest.model_name))
 
 
+@pytest.mark.slow
 def test_a_shard_that_fails_for_good_does_not_stall_its_job(
     tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -136,6 +136,7 @@ def test_a_jobs_partition_named_after_the_work_roots_own_folder_is_refused(
     assert sorted(p.name for p in (work / "batch-api").iterdir()) == ["files"]
 
 
+@pytest.mark.slow
 def test_on_a_work_root_of_other_data_prune_and_its_schedule_touch_only_jobs(
     tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
