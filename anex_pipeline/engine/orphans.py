@@ -14,10 +14,11 @@ never taken for one of them). When the pipe closes it looks once more, SIGKILLs 
 process that is still the same process, and exits. A process that started in the last instant
 and whose parent died with this process may be missed by those looks (it has been handed to
 init); a process that leads a session of its own, as the shared server's supervisor does, asks
-the guard to also kill what is left in its group, where such a process still is. A multiprocessing resource tracker is spared:
-it ends by itself once the processes it serves are gone, after removing the shared memory they
-left behind. So is the machine's shared model server (``anex_pipeline.engine.machine_server``)
-with everything under it: it is meant to outlive the process that started it.
+the guard to also kill what is left in its group, where such a process still is. A
+multiprocessing resource tracker is spared: it ends by itself once the processes it serves are
+gone, after removing the shared memory they left behind. So is the machine's shared model
+server (``anex_pipeline.engine.machine_server``) with everything under it: it is meant to
+outlive the process that started it.
 
 The guard is this file run as a script in an isolated interpreter (standard library only), so it
 starts in a few tens of milliseconds and stays small.
