@@ -14,17 +14,8 @@ import signal
 import sys
 from types import FrameType
 
-from anex_pipeline.cli.commands import (
-    cmd_backfill,
-    cmd_delete,
-    cmd_list,
-    cmd_machine_server,
-    cmd_prune,
-    cmd_report,
-    cmd_run,
-    cmd_serve,
-    cmd_validate,
-)
+from anex_pipeline.cli.admin_commands import cmd_delete, cmd_list, cmd_machine_server, cmd_prune
+from anex_pipeline.cli.commands import cmd_backfill, cmd_report, cmd_run, cmd_serve, cmd_validate
 from anex_pipeline.cli.parser import build_parser
 from anex_pipeline.errors import AnexError, ExitCode
 
