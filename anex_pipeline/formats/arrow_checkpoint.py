@@ -43,7 +43,7 @@ LOGPROBS_FIELD = pa.field(
         pa.struct(
             [
                 pa.field("token", pa.string()),
-                pa.field("logprob", pa.float64()),  # null for a token that was forced, never sampled
+                pa.field("logprob", pa.float64()),  # completions: null for a token forced, never sampled
                 pa.field("top_logprobs", pa.list_(_ALTERNATIVE)),
             ]
         )
