@@ -23,12 +23,13 @@ from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, request_body
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.vllm.sampling import Sampler
+from anex_pipeline.formats import arrow_checkpoint, token_logprobs_of
 from anex_pipeline.formats.parquet import ParquetFormat
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.request_fields import PROMPT_FIELDS
 from anex_pipeline.runner import JobRunner
-from anex_pipeline.spec import JobOptions, JobRejected
+from anex_pipeline.spec import JobOptions, JobRejected, RowOutcome
 from anex_pipeline.stages.generate_answer_book import fingerprint
 from anex_pipeline.testing import fake_engine, shared_fake_engine
 from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
@@ -123,6 +124,51 @@ def test_a_column_named_logprobs_stays_the_inputs_without_the_option(tmp_path: P
     out = tmp_path / "out.parquet"
     submit_and_run(fake_runner, src, out, {"max_tokens": 3})
     assert pq.read_table(out).column("logprobs").to_pylist() == ["mine", "too"]
+
+
+def test_both_endpoints_shapes_become_the_columns_entries_a_forced_token_without_alternatives() -> None:
+    chat = {
+        "content": [
+            {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [{"token": "Hi", "logprob": -0.1}]},
+            {"token": "</think>", "logprob": -9999.0, "bytes": [60], "top_logprobs": []},  # forced: vLLM's floor
+        ]
+    }
+    completions = {
+        "tokens": [" a", " b"],
+        "token_logprobs": [-0.5, None],  # the second was forced
+        "top_logprobs": [{" c": -2.0, " a": -0.5}, None],
+        "text_offset": [0, 2],
+    }
+    assert token_logprobs_of("chat", {"choices": [{"logprobs": chat}]}) == [
+        {"token": "Hi", "logprob": -0.1, "top_logprobs": [{"token": "Hi", "logprob": -0.1}]},
+        {"token": "</think>", "logprob": -9999.0, "top_logprobs": []},
+    ]
+    assert token_logprobs_of("completions", {"choices": [{"logprobs": completions}]}) == [
+        {
+            "token": " a",
+            "logprob": -0.5,
+            "top_logprobs": [{"token": " a", "logprob": -0.5}, {"token": " c", "logprob": -2.0}],
+        },
+        {"token": " b", "logprob": None, "top_logprobs": []},
+    ]
+    assert token_logprobs_of("chat", {"choices": [{"logprobs": None}]}) is None
+    assert token_logprobs_of("embeddings", {"data": []}) is None
+
+
+def test_a_checkpoint_from_before_the_logprobs_column_is_upgraded(tmp_path: Path) -> None:
+    """A shard checkpointed by an earlier version resumes: its rows read with null logprobs, and
+    a row appended after them keeps its own."""
+    path = tmp_path / "results.arrow"
+    current = arrow_checkpoint.schema("chat")
+    older = pa.schema([f for f in current if f.name != "logprobs"])
+    body = {"choices": [{"message": {"content": "Hi"}, "logprobs": {"content": [{"token": "Hi", "logprob": -1.0}]}}]}
+    rows = arrow_checkpoint._batch([RowOutcome(0, "0", 200, body=body)], "chat")
+    old_batch = pa.RecordBatch.from_arrays([rows.column(n) for n in older.names], schema=older)
+    path.write_bytes(older.serialize().to_pybytes() + old_batch.serialize().to_pybytes())
+    arrow_checkpoint.append(path, [RowOutcome(1, "1", 200, body=body)], "chat")
+    [table] = arrow_checkpoint.latest(path, "chat")
+    assert table.schema.field("logprobs").type == LOGPROBS_TYPE
+    assert table.column("logprobs").to_pylist() == [None, [{"token": "Hi", "logprob": -1.0, "top_logprobs": []}]]
 
 
 # -- the options reach both engines ------------------------------------------------------------
