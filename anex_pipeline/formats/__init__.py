@@ -109,7 +109,9 @@ def token_logprobs_of(endpoint: str, body: dict[str, Any] | None) -> list[dict[s
             }
             for t in content
         ]
-    alternatives = found.get("top_logprobs") or [None] * len(found["tokens"])
+    tokens = found.get("tokens") or []
+    logprobs = found.get("token_logprobs") or [None] * len(tokens)
+    alternatives = found.get("top_logprobs") or [None] * len(tokens)
     return [
         {
             "token": token,
@@ -118,5 +120,5 @@ def token_logprobs_of(endpoint: str, body: dict[str, Any] | None) -> list[dict[s
                 {"token": t, "logprob": lp} for t, lp in sorted((top or {}).items(), key=lambda item: -item[1])
             ],
         }
-        for token, logprob, top in zip(found["tokens"], found["token_logprobs"], alternatives, strict=True)
+        for token, logprob, top in zip(tokens, logprobs, alternatives, strict=True)
     ]
