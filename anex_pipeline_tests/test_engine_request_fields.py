@@ -1,6 +1,7 @@
 """Generation request fields on the real vLLM engine (the CPU build here, the embedded model):
-logprobs, several choices per row and the chat template's reasoning effort, each as OpenAI's
-(or vLLM's) API documents it. The jobs share the session's runner and its loaded engine."""
+logprobs (a Parquet job's logprobs column too), several choices per row and the chat template's
+reasoning effort, each as OpenAI's (or vLLM's) API documents it. The jobs share the session's
+runner and its loaded engine."""
 
 from __future__ import annotations
 
