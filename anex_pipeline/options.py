@@ -19,8 +19,14 @@ from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import INVALID_JSON, INVALID_TYPE, INVALID_VALUE, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import FileTooLarge, read_regular_file
 from anex_pipeline.validate import check_fields
-from anex_pipeline.validate.answers import check_response_format
-from anex_pipeline.validate.numbers import NUMBER_FIELDS, check_numbers, deeper_than, non_finite_problems
+from anex_pipeline.validate.answers import check_logprobs, check_response_format
+from anex_pipeline.validate.numbers import (
+    MAX_CHOICES,
+    NUMBER_FIELDS,
+    check_numbers,
+    deeper_than,
+    non_finite_problems,
+)
 from anex_pipeline.validate.problems import KIND_WORDS, FieldProblem, kind_of, pydantic_code
 
 SIDECAR_SUFFIX = ".job.json"  # <input>.job.json: the options that go with an input file
@@ -30,6 +36,14 @@ SIDECAR_SUFFIX = ".job.json"  # <input>.job.json: the options that go with an in
 MAX_OPTIONS_BYTES = 4 * 1024 * 1024
 MAX_OPTIONS_DEPTH = 100
 NESTED_TOO_DEEP = f"is JSON nested more than {MAX_OPTIONS_DEPTH} levels deep; flatten it"
+# Request fields a job cannot set for all its rows, and what to do instead. A Parquet result has one
+# answer per row, so several choices per prompt are a JSONL job's.
+ROW_ONLY = {
+    "n": (
+        "is not a job option: a Parquet result holds one answer per row, so a Parquet job cannot ask for "
+        f"several choices; write the prompts as JSONL requests, each body with its n (1 to {MAX_CHOICES})"
+    ),
+}
 # pydantic's error types for a value of the wrong JSON kind, and the kind each one wants.
 _WANTED_KIND = {
     "int_type": KIND_WORDS[int],
@@ -121,6 +135,8 @@ def job_options(raw: dict[str, Any]) -> JobOptions:
     raises JobRejected naming each bad option."""
     if deep := too_deep_options(raw):
         raise JobRejected([Problem(f"{NESTED_TOO_DEEP} (options)", field=name) for name in deep])
+    if row_only := [name for name in raw if name in ROW_ONLY]:  # before their numbers' ranges
+        raise JobRejected([Problem(f"{ROW_ONLY[name]} (options)", field=name) for name in row_only])
     _reject_numbers(raw)  # NaN would otherwise meet a bound's check first, with a puzzling message
     try:
         options = JobOptions.model_validate(raw)
@@ -129,6 +145,7 @@ def job_options(raw: dict[str, Any]) -> JobOptions:
     if options.shards is not None and options.shard_rows is not None:
         raise JobRejected([Problem("set shards or shard_rows, not both (options)", field="shards")])
     found = check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
+    found += check_logprobs({"logprobs": options.logprobs, "top_logprobs": options.top_logprobs}, "chat")
     if found:
         raise JobRejected(_as_options(found))
     if options.response_format is not None:

@@ -100,6 +100,10 @@ class JobOptions(_Strict):
     reuse_answers: bool = True  # identical deterministic rows are generated once
     answer_store: bool = True  # with reuse_answers: deterministic rows answered by earlier jobs are not generated
     row_metadata: bool = True  # Parquet results carry each row's token counts and finish reason
+    # Parquet chat and completions jobs: a logprobs column, each generated token's logprob and its
+    # top_logprobs best alternatives (0 to 20, the rows' own range; only with logprobs true)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     prefix_order: bool = True  # rows sharing a long prompt prefix go to the engine together
     time_limit_s: float | None = Field(default=None, gt=0)
     prices: Prices | None = None

@@ -1,10 +1,10 @@
 """A deterministic stand-in engine for fast tests of the code around the real one.
 
 It answers every chat row with a fixed transformation of the last user message, counts words as
-tokens, honours max_tokens (finish_reason "length"), answers constrained rows with JSON, and
-refuses prompts over its context the way the real engine does. It refuses media that reach it as
-a URL instead of as data, which the media stage must never let happen. The real vLLM engine is
-exercised by the tests marked ``engine``.
+tokens, honours max_tokens (finish_reason "length"), gives logprobs when asked (one per word),
+answers constrained rows with JSON, and refuses prompts over its context the way the real engine
+does. It refuses media that reach it as a URL instead of as data, which the media stage must
+never let happen. The real vLLM engine is exercised by the tests marked ``engine``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,39 @@ class FakeEngine(Engine):
         cap = req.max_tokens or 1000
         finish = "length" if len(out) > cap else "stop"
         g = Generated(" ".join(out[:cap]), finish, len(words), min(len(out), cap))
+        if req.logprobs is not None:
+            g.logprobs = _logprobs(
+                req.endpoint, [w if n == 0 else f" {w}" for n, w in enumerate(out[:cap])], req.logprobs
+            )
         body = body_for(req.endpoint, req.request_id, self.model_name, g)
         usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
         return RowOutcome(req.index, req.key, 200, body=body, usage=usage)
+
+
+def _logprobs(endpoint: str, tokens: list[str], k: int) -> dict[str, Any]:
+    """Logprobs of the generated words in the endpoint's shape, as if greedy: each token is the
+    best of its ``k`` alternatives (completions' list it, and only it, when ``k`` is 0)."""
+    chosen = [-0.25 * (1 + n % 3) for n in range(len(tokens))]
+    tops = [[(t, lp)] + [(f"{t}~{j}", lp - j) for j in range(1, k)] for t, lp in zip(tokens, chosen, strict=True)]
+    if endpoint == "completions":
+        offsets = [sum(map(len, tokens[:n])) for n in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": chosen,
+            "top_logprobs": [dict(top) for top in tops],
+            "text_offset": offsets,
+        }
+    return {
+        "content": [
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode()),
+                "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top[:k]],
+            }
+            for t, lp, top in zip(tokens, chosen, tops, strict=True)
+        ]
+    }
 
 
 def _overlap(first: str, second: str) -> float:

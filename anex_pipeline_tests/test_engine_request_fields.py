@@ -1,6 +1,7 @@
 """Generation request fields on the real vLLM engine (the CPU build here, the embedded model):
-logprobs, several choices per row and the chat template's reasoning effort, each as OpenAI's
-(or vLLM's) API documents it. The jobs share the session's runner and its loaded engine."""
+logprobs (a Parquet job's logprobs column too), several choices per row and the chat template's
+reasoning effort, each as OpenAI's (or vLLM's) API documents it. The jobs share the session's
+runner and its loaded engine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -291,3 +294,24 @@ def test_vllms_extras_continue_a_message_cut_a_prompt_and_give_prompt_logprobs(
     assert Completion.model_validate(done["same"]).choices[0].text == cont.choices[0].message.content
     cut = Completion.model_validate(done["cut"])
     assert cut.usage is not None and cut.usage.prompt_tokens == 3
+
+
+def test_a_parquet_job_with_logprobs_gets_an_entry_per_token_each_its_own_best_alternative(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    """The job options reach the engine as a JSONL row's fields do, for chat and completions."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["Name a colour.", "The capital of France is"]}), src)
+    options = {"logprobs": True, "top_logprobs": 2, "temperature": 0, "max_tokens": 8}
+    for endpoint in ("chat", "completions"):
+        out = tmp_path / f"{endpoint}.parquet"
+        assert run_job(real_runner, src, out, {**options, "endpoint": endpoint}).status == "completed"
+        for row in pq.read_table(out).to_pylist():
+            tokens = row["logprobs"]
+            assert len(tokens) == row["completion_tokens"] > 0, (endpoint, row)
+            assert "".join(t["token"] for t in tokens) == row["output"]
+            for t in tokens:
+                best = t["top_logprobs"][0]
+                assert 2 <= len(t["top_logprobs"]) <= (2 if endpoint == "chat" else 3)
+                assert best["token"] == t["token"] and math.isclose(best["logprob"], t["logprob"], abs_tol=1e-4)
+                assert all(a["logprob"] <= best["logprob"] for a in t["top_logprobs"])

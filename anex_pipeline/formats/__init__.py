@@ -2,7 +2,8 @@
 per file format, looked up by name in :mod:`~anex_pipeline.formats.registry`.
 
 This module holds what every format shares: the stored outcome of a finished row as the merge
-and the report read it (:class:`StoredOutcome`), and what a row's answer says.
+and the report read it (:class:`StoredOutcome`), and what a row's answer says (its text, why it
+ended, its tokens' logprobs).
 """
 
 from __future__ import annotations
@@ -84,3 +85,40 @@ def text_of(endpoint: str, body: dict[str, Any]) -> str:
     else:
         text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")
     return text if isinstance(text, str) and text else json.dumps(body, ensure_ascii=False)
+
+
+def token_logprobs_of(endpoint: str, body: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The first choice's logprobs as one entry per generated token, ``{token, logprob,
+    top_logprobs: [{token, logprob}]}``, from either endpoint's shape (chat's ``content`` list,
+    completions' four lists, whose alternatives come best first here as in chat's); None when the
+    answer carries none."""
+    if body is None or endpoint not in ("chat", "completions"):
+        return None
+    found = (body.get("choices") or [{}])[0].get("logprobs")
+    if not isinstance(found, dict):
+        return None
+    if endpoint == "chat":
+        content = found.get("content")
+        if content is None:
+            return None
+        return [
+            {
+                "token": t["token"],
+                "logprob": t.get("logprob"),
+                "top_logprobs": [{"token": a["token"], "logprob": a["logprob"]} for a in t.get("top_logprobs") or []],
+            }
+            for t in content
+        ]
+    tokens = found.get("tokens") or []
+    logprobs = found.get("token_logprobs") or [None] * len(tokens)
+    alternatives = found.get("top_logprobs") or [None] * len(tokens)
+    return [
+        {
+            "token": token,
+            "logprob": logprob,
+            "top_logprobs": [
+                {"token": t, "logprob": lp} for t, lp in sorted((top or {}).items(), key=lambda item: -item[1])
+            ],
+        }
+        for token, logprob, top in zip(tokens, logprobs, alternatives, strict=True)
+    ]

@@ -1,12 +1,12 @@
 """The checkpoint of a Parquet job's shard: an Arrow IPC stream of finished rows, in columns.
 
 A Parquet result holds one answer text (or embedding) per row, so its checkpoint keeps exactly
-that plus what the report counts, as columns: the merge then builds the result and the report
-with Arrow compute, never a Python object per row. The file is one schema message followed by
-one record-batch message per appended chunk (no end-of-stream marker, so appending is writing
-at the end). A writer killed mid-append leaves a torn last message: readers stop before it, and
-the next append cuts it off first. Of the rows written more than once (a failure, then a
-rerun), the last one written counts.
+that, its tokens' logprobs when the row asked for them, and what the report counts, as columns:
+the merge then builds the result and the report with Arrow compute, never a Python object per
+row. The file is one schema message followed by one record-batch message per appended chunk (no
+end-of-stream marker, so appending is writing at the end). A writer killed mid-append leaves a
+torn last message: readers stop before it, and the next append cuts it off first. Of the rows
+written more than once (a failure, then a rerun), the last one written counts.
 """
 
 from __future__ import annotations
@@ -20,13 +20,35 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from anex_pipeline.formats import JSON_NULL, StoredOutcome, StoredUsage, finish_reason_of, text_of, write_error
+from anex_pipeline.formats import (
+    JSON_NULL,
+    StoredOutcome,
+    StoredUsage,
+    finish_reason_of,
+    text_of,
+    token_logprobs_of,
+    write_error,
+)
 from anex_pipeline.spec import Endpoint, RowOutcome
 
 USAGE_COLUMNS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
 _READ_ERRORS = (pa.ArrowInvalid, OSError)  # what a torn message raises
 WINDOW_ROWS = 65_536  # rows of a checkpoint copied at a time when reading it
 _known_ends: dict[str, tuple[int, int]] = {}  # path -> (inode, size) after this process's last append
+_ALTERNATIVE = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float64())])
+# The logprobs of a row's answer: one entry per generated token, with its best alternatives.
+LOGPROBS_FIELD = pa.field(
+    "logprobs",
+    pa.list_(
+        pa.struct(
+            [
+                pa.field("token", pa.string()),
+                pa.field("logprob", pa.float64()),  # completions: null for a token forced, never sampled
+                pa.field("top_logprobs", pa.list_(_ALTERNATIVE)),
+            ]
+        )
+    ),
+)
 
 
 def value_field(endpoint: Endpoint) -> pa.Field:
@@ -50,6 +72,7 @@ def schema(endpoint: Endpoint) -> pa.Schema:
             pa.field("reused", pa.bool_()),
             pa.field("finish_reason", pa.string()),
             pa.field("value", value_field(endpoint).type),
+            LOGPROBS_FIELD,  # null unless the row asked for logprobs
         ]
     )
 
@@ -84,7 +107,7 @@ def append(path: Path, outcomes: Iterable[RowOutcome], endpoint: Endpoint) -> No
 
 
 def _upgrade(path: Path, endpoint: Endpoint) -> None:
-    """Rewrites a checkpoint written before a column was added (``finish_reason``), its rows
+    """Rewrites a checkpoint written before a column was added (``finish_reason``, ``logprobs``), its rows
     given nulls there, so that the rows appended next share its schema. Written aside and
     renamed into place: a crash leaves the old file whole."""
     if not path.exists() or path.stat().st_size == 0:
@@ -148,6 +171,7 @@ def _batch(rows: list[RowOutcome], endpoint: Endpoint) -> pa.RecordBatch:
         "reused": [o.reused for o in rows],
         "finish_reason": [finish_reason_of(endpoint, o.body) if o.error is None else None for o in rows],
         "value": [_value(o, endpoint) for o in rows],
+        "logprobs": [token_logprobs_of(endpoint, o.body) if o.error is None else None for o in rows],
     }
     return pa.RecordBatch.from_pydict(columns, schema=schema(endpoint))
 

@@ -150,6 +150,13 @@ def read_chunks(
     A line that looks right is checked on a fast path (one typed decode); any other line takes
     the full path that names its problems. Ids used twice are named after the last line.
     """
+    if options.logprobs:
+        yield Problem(
+            "is a Parquet job's option (its result's logprobs column); a JSONL row asks for logprobs in its "
+            "own body (chat: logprobs and top_logprobs, completions: logprobs: k), so remove the option",
+            field="logprobs",
+        )
+        return
     ids = _Ids()
     index = 0
     chunk: list[bytes] = []

@@ -43,6 +43,8 @@ ROW_METADATA = (
     pa.field("completion_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),
 )
+# The endpoints whose Parquet rows may ask for logprobs (option logprobs).
+LOGPROBS_ENDPOINTS = frozenset({"chat", "completions"})
 PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "chat": ("messages", "prompt"),
     "completions": ("prompt",),
@@ -145,26 +147,53 @@ def _is_bytes(kind: pa.DataType) -> bool:
 
 def result_fields(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) -> list[pa.Field]:
     """The columns a job's result adds to the input's: ``row_index`` (when there is no ``id``), the
-    answer (or embedding), ``error_type`` and, unless the ``row_metadata`` option is off, the
-    row's token counts and finish reason (an embedding has only its prompt's tokens)."""
+    answer (or embedding), ``error_type``, unless the ``row_metadata`` option is off the row's
+    token counts and finish reason (an embedding has only its prompt's tokens) and, with the
+    ``logprobs`` option, each generated token's logprobs."""
     added = [] if "id" in schema.names else [pa.field("row_index", pa.int64())]
     added += [arrow_checkpoint.value_field(endpoint), pa.field("error_type", pa.string())]
     if options.row_metadata:
         added += [f for f in ROW_METADATA if endpoint != "embeddings" or f.name == "prompt_tokens"]
+    if options.logprobs:
+        added.append(arrow_checkpoint.LOGPROBS_FIELD)
     return added
+
+
+def logprobs_problem(endpoint: Endpoint, options: JobOptions) -> Problem | None:
+    """Why the job's ``logprobs`` option cannot apply to its endpoint, or None: an embedding
+    generates no tokens, and a Responses object here carries no logprobs."""
+    if not options.logprobs or endpoint in LOGPROBS_ENDPOINTS:
+        return None
+    if endpoint == "embeddings":
+        reason = "an embeddings job generates no tokens, so there are no logprobs to give"
+    else:
+        reason = f"a {endpoint} job's answers carry no logprobs here; run the prompts with endpoint chat"
+    return Problem(f"{reason}; remove logprobs and top_logprobs", field="logprobs")
+
+
+def _logprobs_fields(endpoint: Endpoint, options: JobOptions) -> dict[str, Any]:
+    """The request fields by which a row asks for the job's logprobs, in its endpoint's words:
+    chat's ``logprobs: true`` and ``top_logprobs``, completions' ``logprobs: k``."""
+    if not options.logprobs:
+        return {}
+    if endpoint == "completions":
+        return {"logprobs": options.top_logprobs or 0}
+    top = {} if options.top_logprobs is None else {"top_logprobs": options.top_logprobs}
+    return {"logprobs": True, **top}
 
 
 def _taken_names(schema: pa.Schema, endpoint: Endpoint, prompt: str, options: JobOptions) -> list[Problem]:
     """A problem for each input column that a result column would replace."""
-    roles = {"row_index": "the row numbers", "error_type": "each row's error"}
+    roles = {"row_index": "the row numbers", "error_type": "each row's error", "logprobs": "each token's logprobs"}
     roles.update(dict.fromkeys((f.name for f in ROW_METADATA), "each row's metadata"))
-    metadata = {f.name for f in ROW_METADATA}
+    options_off = dict.fromkeys((f.name for f in ROW_METADATA), "row_metadata")
+    options_off[arrow_checkpoint.LOGPROBS_FIELD.name] = "logprobs"
     return [
         Problem(
             f"is a column the result writes ({roles.get(name, 'the answers')}), so its values would be lost; "
             "rename it in the file"
             + (" and set prompt_column to the new name" if name == prompt else "")
-            + (", or set the option row_metadata to false" if name in metadata else ""),
+            + (f", or set the option {options_off[name]} to false" if name in options_off else ""),
             field=name,
         )
         for name in (f.name for f in result_fields(schema, endpoint, options))
@@ -187,10 +216,11 @@ def read_chunks(
     except ParquetInputError as exc:
         yield from exc.problems
         return
+    found = [image_column_problem(pf.schema_arrow, endpoint, options), logprobs_problem(endpoint, options)]
+    option_problems = [p for p in found if p is not None]
     taken = _taken_names(pf.schema_arrow, endpoint, column, options)
-    image_problem = image_column_problem(pf.schema_arrow, endpoint, options)
-    if taken or image_problem:
-        yield from taken or [image_problem]
+    if taken or option_problems:
+        yield from taken + option_problems
         return
     has_id = "id" in pf.schema_arrow.names
     columns = list(dict.fromkeys([column] + (["id"] if has_id else []) + [options.image_column or column]))
@@ -282,12 +312,12 @@ def request_body(
     value: Any, endpoint: Endpoint, options: JobOptions, image: str | bytes | None = None
 ) -> dict[str, Any]:
     """The OpenAI request body of one row's prompt value, with the job's system prompt and the
-    row's image (from the image_column) added to its last message. Raises ValueError for image
-    bytes of no known image type."""
+    row's image (from the image_column) added to its last message, and the job's logprobs asked
+    for as a JSONL row asks for them. Raises ValueError for image bytes of no known image type."""
     if endpoint == "embeddings":
         return {"input": value}
     if endpoint == "completions":
-        return {"prompt": value}
+        return {"prompt": value, **_logprobs_fields(endpoint, options)}
     if endpoint == "responses":
         body = {"input": _without_nulls(value)}
         return {**body, "instructions": options.system_prompt} if options.system_prompt else body
@@ -296,7 +326,7 @@ def request_body(
         messages = [*messages[:-1], _with_image(messages[-1], image_part(image))]
     if options.system_prompt and isinstance(messages, list):
         messages = [{"role": "system", "content": options.system_prompt}, *messages]
-    return {"messages": messages}
+    return {"messages": messages, **_logprobs_fields(endpoint, options)}
 
 
 def _with_image(message: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
