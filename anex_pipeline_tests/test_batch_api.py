@@ -245,6 +245,15 @@ def test_size_limits_and_keys(tmp_path: Path, fake_runner: JobRunner) -> None:
             )
         assert "max_token" in bad.value.message and "max_tokens" in bad.value.message
         assert bad.value.body["code"] == "unknown_parameter"  # type: ignore[index]
+        for options in ({"logprobs": True}, {"n": 3}):  # a batch's rows ask for these in their own bodies
+            with pytest.raises(openai.BadRequestError) as bad:
+                sdk.post(
+                    "/batches",
+                    body={"endpoint": "/v1/chat/completions", "requests": [], "anex_options": options},
+                    cast_to=Batch,
+                )
+            [name] = options
+            assert f"{name}:" in bad.value.message and "body" in bad.value.message, bad.value.message
 
 
 def test_validation_errors_carry_openais_codes(tmp_path: Path, fake_runner: JobRunner) -> None:

@@ -19,6 +19,7 @@ from anex_pipeline.batches.objects import (
     ExpiresAfter,
 )
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, resolve_model
+from anex_pipeline.formats.jsonl_input import option_problem
 from anex_pipeline.options import OptionsError, job_options, options_from_json
 from anex_pipeline.spec import (
     ENDPOINT_BY_URL,
@@ -179,7 +180,10 @@ def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) 
             param="anex_options.endpoint",
         )
     try:
-        return job_options(options).model_dump(exclude_defaults=True)
+        checked = job_options(options)
+        if (problem := option_problem(checked)) is not None:  # a batch's input is JSONL
+            raise JobRejected([problem])
+        return checked.model_dump(exclude_defaults=True)
     except JobRejected as exc:
         raise ApiError(
             400,

@@ -141,6 +141,17 @@ class _Request(msgspec.Struct):
 _decode_request = msgspec.json.Decoder(_Request).decode
 
 
+def option_problem(options: JobOptions) -> Problem | None:
+    """The job option a JSONL job cannot take: ``logprobs``, which its rows ask for themselves."""
+    if not options.logprobs:
+        return None
+    return Problem(
+        "is a Parquet job's option (its result's logprobs column); a JSONL row asks for logprobs in its "
+        "own body (chat: logprobs and top_logprobs, completions: logprobs: k), so remove the option",
+        field="logprobs",
+    )
+
+
 def read_chunks(
     path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
 ) -> Iterator[list[bytes] | Problem]:
@@ -150,12 +161,8 @@ def read_chunks(
     A line that looks right is checked on a fast path (one typed decode); any other line takes
     the full path that names its problems. Ids used twice are named after the last line.
     """
-    if options.logprobs:
-        yield Problem(
-            "is a Parquet job's option (its result's logprobs column); a JSONL row asks for logprobs in its "
-            "own body (chat: logprobs and top_logprobs, completions: logprobs: k), so remove the option",
-            field="logprobs",
-        )
+    if (problem := option_problem(options)) is not None:
+        yield problem
         return
     ids = _Ids()
     index = 0
