@@ -3,6 +3,10 @@
 The routes are the ones the ``openai`` SDK calls for batches: upload, list and delete files,
 create a batch from one (or from requests embedded in the body), follow it, cancel it, download
 its output and error files. Every error is answered in OpenAI's shape, so the SDK raises its usual exceptions.
+
+At about 440 lines this module is over the project's usual size because it is the one table of the
+service's routes and their checks of the caller (key, sizes, ownership); what a route does past
+that lives in :mod:`.requests`, :mod:`.worker` and :mod:`anex_pipeline.batches`.
 """
 
 from __future__ import annotations
