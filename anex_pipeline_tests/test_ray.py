@@ -241,7 +241,9 @@ def test_a_job_from_the_inbox_spreads_its_shards_over_the_nodes(deployment: Depl
     with deployment.instance() as instance:
         assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 3
 
-    # Pruning removes the steps' finished Ray jobs from the head's job table once they are old enough.
+    # Pruning removes the steps' finished Ray jobs from the head's job table once they are old enough
+    # (the last step's driver may still be ending when its result is published).
+    wait_for(lambda: all(j.status.is_terminal() for j in deployment.ray_jobs(runs)), 60, "the step jobs to end")
     assert prune_finished_steps(deployment.cluster.dashboard, older_than_s=3600) == []
     removed = prune_finished_steps(deployment.cluster.dashboard, older_than_s=0)
     assert {j.submission_id for j in ray_jobs} <= set(removed) and deployment.ray_jobs(runs) == []
