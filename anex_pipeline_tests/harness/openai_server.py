@@ -49,16 +49,27 @@ class FakeServer:
             def do_GET(self) -> None:
                 self._reply(200, {"object": "list", "data": [{"id": SERVED, "object": "model"}]})
 
+            counted = False  # whether this request is counted in server.in_flight
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    self.counted = True
                 try:
                     self._answer(body)
                 finally:
-                    with server.lock:
+                    self._no_longer_in_flight()
+
+            def _no_longer_in_flight(self) -> None:
+                """Takes this request out of the count before its answer is sent: a client that has
+                its answer may send the next request before this thread gets any further, and the
+                two would then be counted in flight at once."""
+                with server.lock:
+                    if self.counted:
                         server.in_flight -= 1
+                        self.counted = False
 
             def _answer(self, body: dict[str, Any]) -> None:
                 text = body["messages"][-1]["content"] if "messages" in body else body.get("prompt", body.get("input"))
@@ -121,6 +132,7 @@ class FakeServer:
 
             def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(payload).encode()
+                self._no_longer_in_flight()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
