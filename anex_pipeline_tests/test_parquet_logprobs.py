@@ -8,8 +8,6 @@ real engine's test is in ``test_engine_request_fields.py``."""
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,22 +242,6 @@ def test_the_answer_store_never_hands_a_logprobs_row_an_answer_made_without_them
 # -- refusals ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The command line's work folder and Dagster instance in tmp_path, and the engine out of reach."""
-    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
-
-    def no_engine(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a refused job reached the Dagster steps")
-
-    monkeypatch.setattr(JobRunner, "_execute", no_engine)
-    progress = logging.getLogger("anex_pipeline.progress")
-    handlers = list(progress.handlers)
-    yield
-    progress.handlers[:] = handlers
-
-
 REFUSED = [
     pytest.param(
         "in.parquet", {"prompt": ["a"]}, {"n": 2, "temperature": 0.7}, "n", ("JSONL", "one answer per row"), id="n"
@@ -308,7 +290,7 @@ def test_the_command_line_refuses_them_in_one_line_with_exit_code_2(
     field: str,
     says: tuple[str, ...],
     tmp_path: Path,
-    isolated: None,
+    refusing_cli: None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     src = tmp_path / name

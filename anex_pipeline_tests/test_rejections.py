@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ import pytest
 
 from anex_pipeline.cli import main
 from anex_pipeline.formats import jsonl_input
-from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import Problem
 from anex_pipeline.stages.submit import MAX_REPORTED_PROBLEMS, Problems
 
@@ -876,19 +874,8 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Keeps the work folder and the Dagster instance in tmp_path, and the engine out of reach."""
-    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
-
-    def no_engine(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a rejected job reached the Dagster steps")
-
-    monkeypatch.setattr(JobRunner, "_execute", no_engine)
-    progress = logging.getLogger("anex_pipeline.progress")
-    handlers = list(progress.handlers)
-    yield
-    progress.handlers[:] = handlers  # `run` adds a handler bound to this test's captured stderr
+def _refused_before_any_step(refusing_cli: None) -> None:
+    """Every test here: the work folder and the instance in tmp_path, and no Dagster step run."""
 
 
 def write_case(c: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:

@@ -1,13 +1,16 @@
-"""The command run in this process on the fake engine (the ``home`` fixture), and a job's
-traces in the instance."""
+"""The command run in this process on the fake engine (the ``home`` fixture), the command for
+jobs that must be refused before any step runs (``refusing_cli``), and a job's traces in the
+instance."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -15,6 +18,7 @@ import pytest
 from anex_pipeline import cli
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS
 from anex_pipeline.orchestration.runs import job_of_run
+from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 
 ASSETS = ["validated_input", "length_estimate", "fetched_media", "generations", "merged_result", "result_file"]
@@ -29,6 +33,23 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("ANEX_ENGINE", "fake")  # the command's engine settings read it
     yield tmp_path / "home"
+
+
+@pytest.fixture
+def refusing_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The command's work folder and Dagster instance in tmp_path, and no Dagster step allowed:
+    a job that reaches one fails its test."""
+    monkeypatch.setenv("ANEX_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+
+    def no_steps(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a refused job reached the Dagster steps")
+
+    monkeypatch.setattr(JobRunner, "_execute", no_steps)
+    progress = logging.getLogger("anex_pipeline.progress")
+    handlers = list(progress.handlers)
+    yield
+    progress.handlers[:] = handlers  # `run` adds a handler bound to this test's captured stderr
 
 
 def anex(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
