@@ -108,14 +108,18 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
             record_engine(job, engine.report_section())
         return engine
 
+    def _sends_to_shared_server(self, manifest: JobManifest) -> bool:
+        """Whether these settings send the job to the machine's shared server (when one is up, or
+        when this resource starts one: ``machine_server`` or ``keep_warm``)."""
+        return self.machine_server or (self.warm_server and not model_thinks(manifest))
+
     def _shared_server(self, manifest: JobManifest, *, start: bool) -> Engine | None:
         """The machine's shared server for the job, when these settings send it there (with
-        ``start=False``, only one that is up already or that this resource starts itself)."""
-        if self.machine_server:
-            return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start)
-        if self.warm_server and not model_thinks(manifest):
-            return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start and self.keep_warm)
-        return None
+        ``start=False``, only one that is up already)."""
+        if not self._sends_to_shared_server(manifest):
+            return None
+        start = start and (self.machine_server or self.keep_warm)
+        return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start)
 
     def load_ahead(self, manifest: JobManifest, loaded: Callable[[float], None], thread_name: str) -> None:
         """Loads the job's engine on a thread of its own while this one goes on; ``loaded`` gets
@@ -126,10 +130,8 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         of its own, while this thread logs (Dagster's handlers do), the two threads once deadlocked
         on logging's locks, so when the engine is to be built in this process the set-up is done
         here first, on this thread."""
-        shared = self.machine_server or (
-            self.warm_server
-            and not model_thinks(manifest)
-            and (self.keep_warm or self._shared_server(manifest, start=False) is not None)
+        shared = self._sends_to_shared_server(manifest) and (
+            self.machine_server or self.keep_warm or self._shared_server(manifest, start=False) is not None
         )
         if engine_kind(self.plain()) == "vllm" and not shared:
             configure_vllm_logging()
