@@ -15,6 +15,7 @@ rows/s, output tok/s and the time left counted from when generation started.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import sys
@@ -83,20 +84,41 @@ def quiet_engine_output(log_path: Path) -> Path:
 # pause, such as a model server that died while its rows go to the others: the rate starts again.
 PAUSE_S = 10.0
 LOADING_TICK_S = 1.0  # how often a terminal's loading line shows the time elapsed
+FINISHES_KEPT = 256  # updates kept for the recent rows/s (see _Clock.recent)
 
 
 @dataclass
 class _Clock:
     """Where the rates count from: the moment generation (re)started, with the rows and output
-    tokens done by then, and the first update after it that finished rows. Rows/s counts from that
-    first finish: rows generated together finish only after their answers' length (engines batch
-    them), so counting that wait as if rows were finishing all along would make the time left
-    about twice too long for a job that fits in one batch."""
+    tokens done by then, and the updates after it that finished rows. Rows/s never counts the
+    wait before the first finish: rows generated together finish only after their answers' length
+    (engines batch them), so counting that wait as if rows were finishing all along would make the
+    time left about twice too long for a job that fits in one batch."""
 
     started: float
     done: int
     tokens: int
     first_finish: tuple[float, int] | None = None  # when, and the rows done then
+    # (when, rows done) at updates that finished rows, from the first finish on; thinned to at
+    # most FINISHES_KEPT by dropping every other one, so a long job keeps a bounded list.
+    finishes: list[tuple[float, int]] = field(default_factory=list)
+
+    def finished(self, now: float, done: int) -> None:
+        if self.first_finish is None:
+            self.first_finish = (now, done)
+        self.finishes.append((now, done))
+        if len(self.finishes) > FINISHES_KEPT:
+            self.finishes = [*self.finishes[:-1:2], self.finishes[-1]]
+
+    def recent(self, done: int) -> tuple[float, int]:
+        """Where the rows/s counts from: the latest update at or before the middle of the rows
+        finished since the first finish. Engines finish rows faster as their batch empties and
+        slower while another process takes the cores, so the latest half of the rows says more
+        about the rest than the whole does."""
+        assert self.first_finish is not None
+        middle = (self.first_finish[1] + done) / 2
+        at = bisect.bisect_right([rows for _, rows in self.finishes], middle) - 1
+        return self.finishes[max(at, 0)]
 
 
 @dataclass
@@ -140,8 +162,8 @@ class ProgressDisplay:
             self._last_done = (done, now)
         elif done > self._last_done[0]:
             self._last_done = (done, now)
-        if clock.first_finish is None and done > clock.done:
-            clock.first_finish = (now, done)
+        if done > (clock.finishes[-1][1] if clock.finishes else clock.done):
+            clock.finished(now, done)
         self._waiting_since = None
         if self.tty:
             self._draw_bar(done, total, tokens, now)
@@ -232,7 +254,7 @@ class ProgressDisplay:
         if clock is None or clock.first_finish is None:
             return ""
         tokens_per_s = max(tokens - clock.tokens, 0) / max(now - clock.started, 1e-6)
-        since, first = clock.first_finish
+        since, first = clock.recent(done)
         if done <= first or now <= since:
             return f"{tokens_per_s:.1f} output tok/s"
         rows_per_s = (done - first) / (now - since)

@@ -98,6 +98,20 @@ def test_the_rate_starts_again_after_a_pause(capsys: pytest.CaptureFixture[str])
     assert last == "[anex] 50/100 rows (50%), 0.5 rows/s, 0.0 output tok/s, about 1m40s left", last
 
 
+def test_the_time_left_follows_the_latest_half_of_the_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """Five rows a second apart while another process held the cores, then ten a second: at
+    half-way the time left is the new pace's (2 s for 20 rows), not the whole's (near 6 s)."""
+    clock = FakeClock()
+    display = ProgressDisplay(tty=False, every_s=0, clock=clock)
+    loaded(display, clock, 1)
+    display.update(ShardProgress("job", 0, 0, 40))
+    for done in range(1, 21):
+        clock.t += 1 if done <= 5 else 0.1
+        display.update(ShardProgress("job", 0, done, 40))
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "[anex] 20/40 rows (50%), 10.0 rows/s, 0.0 output tok/s, about 2.0s left", last
+
+
 def test_an_engine_loaded_again_restarts_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
     clock = FakeClock()
     display = ProgressDisplay(tty=False, every_s=0, clock=clock)
