@@ -107,6 +107,7 @@ class JobRunner:
                 report=report,
                 local_model=not self.engine.base_url,
                 adapters=self.engine.lora_modules,
+                priority=self.engine.schedules_by_priority(),
                 s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
                 options_file=Path(options_file) if options_file else None,
                 results_in=results_in,

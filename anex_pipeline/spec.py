@@ -76,6 +76,9 @@ class JobOptions(_Strict):
     reasoning: bool | None = None
     reasoning_budget: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
+    # the most output tokens the rows may ask for together (see validate.answers.TokenBudget);
+    # None: the default budget, validate.numbers.MAX_JOB_TOKENS
+    max_job_tokens: int | None = Field(default=None, ge=1)
     parse_thinking: bool | None = None
     parse_tool_calls: bool | None = None
     reasoning_parser: str | None = None

@@ -546,6 +546,32 @@ def test_job_options_over_the_services_limits_are_a_400(tmp_path: Path, fake_run
         assert wait(sdk, at_limit.json()["id"]).status == "completed"
 
 
+def test_a_batch_asking_for_more_tokens_than_the_service_allows_is_a_400(
+    tmp_path: Path, fake_runner: JobRunner
+) -> None:
+    """The operator's budget of output tokens per batch (serve --max-job-tokens): a batch may set a
+    lower one, never a higher one (a 400 at creation), and one whose rows ask for more fails its
+    validation with nothing generated."""
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", "Hi", max_tokens=100) for i in range(5)])
+    with serving(fake_runner, max_job_tokens=400) as url:
+        sdk = client(url)
+        with src.open("rb") as f:
+            file_id = sdk.files.create(file=f, purpose="batch").id
+        base = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        higher = create_raw(url, {**base, "anex_options": {"max_job_tokens": 10_000}})
+        assert higher.status_code == 400, higher.text[:300]
+        error = higher.json()["error"]
+        assert error["param"] == "anex_options.max_job_tokens" and "400" in error["message"], error
+        assert sdk.batches.list().data == []
+        over = wait(sdk, submit(sdk, src).id)  # 5 rows x 100 tokens
+        assert over.status == "failed" and over.errors is not None and over.errors.data is not None
+        (error,) = over.errors.data
+        assert error.param == "max_job_tokens" and "500 output tokens" in (error.message or ""), error
+        assert over.request_counts is None or over.request_counts.completed == 0
+        small = write_jsonl(tmp_path / "small.jsonl", [chat_row(f"r{i}", "Hi", max_tokens=100) for i in range(4)])
+        assert wait(sdk, submit(sdk, small).id).status == "completed"
+
+
 @pytest.fixture
 def endless_check(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Makes every input check endless (its rows come round again and again, as in a check that
@@ -553,8 +579,8 @@ def endless_check(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     begun = threading.Event()
     real = submit_stage.read_input
 
-    def endless(path: Path, options: Any) -> tuple[Any, Any, Iterator[Any]]:
-        kind, endpoint, chunks = real(path, options)
+    def endless(path: Path, options: Any, priority: bool | None = None) -> tuple[Any, Any, Iterator[Any]]:
+        kind, endpoint, chunks = real(path, options, priority)
         first = list(chunks)
 
         def again() -> Iterator[Any]:

@@ -17,6 +17,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.runner import JobRunner
+from anex_pipeline.spec import JobRejected
 from anex_pipeline_tests.harness.batch_api import client, content, serving, submit, wait
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
@@ -265,9 +266,14 @@ def test_vllms_extras_continue_a_message_cut_a_prompt_and_give_prompt_logprobs(
         {**chat, "custom_id": "continue", "body": {"messages": messages, "continue_final_message": True, **greedy}},
         {**chat, "custom_id": "new-turn", "body": {"messages": messages, **greedy}},
         {**chat, "custom_id": "prompt-lp", "body": {"messages": messages[:1], "prompt_logprobs": 2, **greedy}},
-        {**chat, "custom_id": "priority", "body": {"messages": messages[:1], "priority": 5, **greedy}},
     ]
     src = write_jsonl(tmp_path / "chat.jsonl", rows)
+    # the session's engine schedules first come, first served: a priority is refused at submit
+    late = {**chat, "custom_id": "priority", "body": {"messages": messages[:1], "priority": 5, **greedy}}
+    with pytest.raises(JobRejected) as refused:
+        real_runner.submit(str(write_jsonl(tmp_path / "priority.jsonl", [*rows, late])), str(tmp_path / "p.out"), {})
+    (problem,) = refused.value.problems
+    assert (problem.line, problem.field) == (4, "body.priority") and "scheduling_policy=priority" in problem.message
     assert run_job(real_runner, src, tmp_path / "chat.out.jsonl").status == "completed"
     got = {line["custom_id"]: line for line in read_jsonl(tmp_path / "chat.out.jsonl")}
     # the prompt is the template's continuation of the assistant's words, token for token
@@ -280,9 +286,6 @@ def test_vllms_extras_continue_a_message_cut_a_prompt_and_give_prompt_logprobs(
     per_token = body["prompt_logprobs"]
     assert len(per_token) == body["usage"]["prompt_tokens"] and per_token[0] is None
     assert all(2 <= len(alts) <= 3 and all(a["logprob"] <= 0 for a in alts.values()) for alts in per_token[1:])
-    # the session's engine schedules first come, first served: a priority is refused with its field
-    error = got["priority"]["error"]
-    assert error["param"] == "priority" and "scheduling_policy=priority" in error["message"]
 
     completions = [
         completion_row("same", ids, **greedy),

@@ -406,6 +406,34 @@ CASES = [
         says=("1,048,576", "n x max_tokens"),
     ),
     case(
+        "job-over-the-default-token-budget",
+        jsonl_bytes(*(chat(f"r{i}", n=128, max_tokens=8192, temperature=1) for i in range(2**14 + 1))),
+        field="max_job_tokens",
+        says=("17,180,917,760", "17,179,869,184"),
+    ),
+    case(
+        "job-over-its-own-token-budget",
+        jsonl_bytes(chat("r1", n=4, max_tokens=10, temperature=1), chat("r2")),
+        options={"max_job_tokens": 1000},
+        field="max_job_tokens",
+        says=("1,064",),  # 4 x 10, and 1,024 for the row with no cap
+    ),
+    case(
+        "completions-prompts-over-the-token-budget",
+        jsonl_bytes(completion("r1", prompt=["a", "b", "c"], max_tokens=40, n=2)),
+        options={"max_job_tokens": 200},
+        field="max_job_tokens",
+        says=("240",),  # 3 prompts x 2 choices x 40
+    ),
+    case(
+        "parquet-over-the-token-budget",
+        parquet_writer({"prompt": ["a", "b", "c"]}),
+        name="in.parquet",
+        options={"max_job_tokens": 100, "max_tokens": 40},
+        field="max_job_tokens",
+        says=("120",),
+    ),
+    case(
         "responses-n",
         jsonl_bytes({"custom_id": "r1", "url": "/v1/responses", "body": {"input": "hi", "n": 2}}),
         line=1,

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest, resolve_request
+from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
@@ -29,7 +34,8 @@ from anex_pipeline.request_fields import (
     unknown_field,
 )
 from anex_pipeline.spec import InputRow, JobOptions, RowOutcome
-from anex_pipeline.validate import check_body
+from anex_pipeline.validate import EngineTraits, check_body
+from anex_pipeline_tests.harness.jobs import REPO, chat_row, write_jsonl
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 ASSISTANT_LAST = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
@@ -224,6 +230,31 @@ def test_priority_reaches_a_priority_scheduled_engine_and_is_refused_by_another(
         stepping("fcfs")._priority(req)
     assert refused.value.param == "priority" and "scheduling_policy=priority" in refused.value.message
     assert request_body(req, "m")["priority"] == -3
+
+
+def test_priority_is_refused_at_submit_on_an_engine_that_does_not_schedule_by_it() -> None:
+    body = {"messages": MESSAGES, "priority": 5}
+    (problem,) = check_body(body, "chat", frozenset(), EngineTraits(priority=False))
+    assert problem.field == "body.priority" and "scheduling_policy=priority" in problem.message
+    assert check_body(body, "chat", frozenset(), EngineTraits(priority=True)) == []
+    assert check_body(body, "chat", frozenset(), EngineTraits(priority=None)) == []  # a model server decides
+    assert check_body({**body, "priority": 0}, "chat", frozenset(), EngineTraits(priority=False)) == []
+    assert EngineConfig(engine_args={}).schedules_by_priority() is False
+    assert EngineConfig(engine_args={"scheduling_policy": "priority"}).schedules_by_priority() is True
+    assert EngineConfig(base_url="http://127.0.0.1:9").schedules_by_priority() is None
+
+
+@pytest.mark.subprocess
+def test_the_command_refuses_a_priority_row_before_its_engine_loads(tmp_path: Path) -> None:
+    rows = [chat_row("plain", "Hi"), chat_row("urgent", "Hi", priority=-1)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "ANEX_WORK_DIR": str(tmp_path / "work")}
+    argv = [sys.executable, "-m", "anex_pipeline.cli", "run", str(src), "-o", str(out)]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "line 2" in done.stderr and "body.priority" in done.stderr, done.stderr
+    assert "--engine-arg scheduling_policy=priority" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists() and "loading" not in done.stderr
 
 
 def choice(text: str, finish: str = "stop") -> dict[str, Any]:

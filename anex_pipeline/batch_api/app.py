@@ -53,6 +53,7 @@ from anex_pipeline.spec import (
     MediaOptions,
     RequestCounts,
 )
+from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
 log = logging.getLogger("anex_pipeline.batch_api")
@@ -74,6 +75,7 @@ class BatchApi:
         media: MediaOptions,
         models: ServedModels,
         max_window_s: int | None = None,
+        max_job_tokens: int | None = None,
     ):
         self.store = store
         self.worker = worker
@@ -81,6 +83,7 @@ class BatchApi:
         self.media = media
         self.models = models
         self.max_window_s = max_window_s
+        self.max_job_tokens = max_job_tokens or MAX_JOB_TOKENS
 
     def owner(self, request: Request) -> str:
         """The hash of the caller's API key, or a 401."""
@@ -190,7 +193,7 @@ class BatchApi:
     def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = batch_options(body, self.media, self.models)
+        options = batch_options(body, self.media, self.models, self.max_job_tokens)
         window_s = completion_window_s(body.completion_window, self.max_window_s)
         batch_id = new_id("batch_")
         embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
@@ -386,6 +389,7 @@ def create_app(
     webhook: WebhookSettings | None = None,
     warm_up: bool = True,
     max_completion_window_s: int | None = None,
+    max_job_tokens: int | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
@@ -396,7 +400,9 @@ def create_app(
     every batch that ends sends its event there (see :mod:`~anex_pipeline.batch_api.webhooks`).
     With ``warm_up``, the engine of the default model starts loading as the service starts.
     ``max_completion_window_s`` cuts every batch's completion window to that many seconds: a
-    batch still running at the end of its window ends ``expired``."""
+    batch still running at the end of its window ends ``expired``. ``max_job_tokens`` is the most
+    output tokens one batch's rows may ask for together (None: the budget of every job,
+    MAX_JOB_TOKENS); a batch may set a lower budget of its own."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -408,7 +414,7 @@ def create_app(
         )
     worker = BatchWorker(runner, store, max_running_batches)
     served = ServedModels(models, adapters=list(runner.engine.lora_modules))
-    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s)
+    api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s, max_job_tokens)
     store.keep_events = webhook is not None
     sender = WebhookSender(store, webhook) if webhook is not None else None
 

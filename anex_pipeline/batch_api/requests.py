@@ -29,6 +29,7 @@ from anex_pipeline.spec import (
     JobRejected,
     MediaOptions,
 )
+from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
 OPTIONS_METADATA_KEY = "anex_options"
@@ -136,10 +137,13 @@ def _reference(name: str) -> str:
     return resolve_model(name, "chat")[0]
 
 
-def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) -> dict[str, Any]:
+def batch_options(
+    body: CreateBatch, media: MediaOptions, models: ServedModels, max_job_tokens: int = MAX_JOB_TOKENS
+) -> dict[str, Any]:
     """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
     the ``anex_options`` body field over it, the batch's endpoint, its model (one the service
-    serves), and the service's media policy narrowed by the caller's ``media``; checked here."""
+    serves), the service's media policy narrowed by the caller's ``media``, and the service's
+    budget of output tokens (``max_job_tokens``), which a batch may only lower; checked here."""
     if body.endpoint not in ENDPOINT_BY_URL:
         supported = ", ".join(ENDPOINT_BY_URL)
         raise ApiError(
@@ -166,6 +170,16 @@ def batch_options(body: CreateBatch, media: MediaOptions, models: ServedModels) 
     check_option_sizes(options)
     models.check_adapters(options)
     options["media"] = narrowed_media(options.get("media"), media)
+    budget = options.get("max_job_tokens")
+    if type(budget) is int and budget > max_job_tokens:
+        raise ApiError(
+            400,
+            f"max_job_tokens is {budget:,}, above this service's budget of {max_job_tokens:,} output tokens "
+            "per batch; lower it or leave it out.",
+            param=f"{OPTIONS_METADATA_KEY}.max_job_tokens",
+        )
+    if budget is None and max_job_tokens != MAX_JOB_TOKENS:
+        options["max_job_tokens"] = max_job_tokens
     asked, where = options.pop("model", None), f"{OPTIONS_METADATA_KEY}.model"
     if asked is None:
         asked, where = body.model, "model"

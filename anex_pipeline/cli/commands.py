@@ -331,6 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_running_batches=args.max_running_batches,
             webhook=webhook,
             max_completion_window_s=args.max_completion_window,
+            max_job_tokens=args.max_job_tokens,
         )
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None

@@ -298,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the batch's own window)",
     )
     srv.add_argument(
+        "--max-job-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the most output tokens one batch's rows may ask for together (each row n x its max_tokens); "
+        "a batch above it is refused at creation, and a batch may set a lower max_job_tokens (default: the "
+        "job budget of every run, 2^34)",
+    )
+    srv.add_argument(
         "--webhook-url",
         default=None,
         metavar="URL",
@@ -352,6 +361,13 @@ def window_seconds(text: str) -> int:
     if unit not in WINDOW_UNITS or not number.isascii() or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of s, m or h, such as 90s, 30m or 12h; got {text!r}")
     return int(number) * WINDOW_UNITS[unit]
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1."""
+    if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1; got {text!r}")
+    return int(text)
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:

@@ -82,10 +82,16 @@ class Format(ABC):
 
     @abstractmethod
     def read_chunks(
-        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+        self,
+        path: Path,
+        endpoint: Endpoint,
+        model_names: frozenset[str],
+        options: JobOptions,
+        priority: bool | None = None,
     ) -> Iterator[Any]:
         """Checks every row in input order; yields each bad row's problems and, for runs of good
-        ones, a chunk in the form the shards store (``len(chunk)`` is its number of rows)."""
+        ones, a chunk in the form the shards store (``len(chunk)`` is its number of rows).
+        ``priority``: whether the job's engine schedules rows by priority (None: not known)."""
 
     @abstractmethod
     def chunk_rows(self, chunk: Any, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:

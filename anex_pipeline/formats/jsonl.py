@@ -41,9 +41,14 @@ class JsonlFormat(Format):
         return jsonl_input.job_endpoint(path, options)
 
     def read_chunks(
-        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+        self,
+        path: Path,
+        endpoint: Endpoint,
+        model_names: frozenset[str],
+        options: JobOptions,
+        priority: bool | None = None,
     ) -> Iterator[list[bytes] | Problem]:
-        return jsonl_input.read_chunks(path, endpoint, model_names, options)
+        return jsonl_input.read_chunks(path, endpoint, model_names, options, priority)
 
     def chunk_rows(self, chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
         for line in chunk:

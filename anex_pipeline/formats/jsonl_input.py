@@ -14,6 +14,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from anex_pipeline.request_fields import POOLING
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     ENDPOINT_BY_URL,
@@ -26,7 +27,8 @@ from anex_pipeline.spec import (
     Problem,
 )
 from anex_pipeline.spec import MISSING_PARAMETER as MISSING
-from anex_pipeline.validate import check_body
+from anex_pipeline.validate import EngineTraits, check_body
+from anex_pipeline.validate.answers import TokenBudget
 from anex_pipeline.validate.problems import kind_of
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -153,10 +155,15 @@ def option_problem(options: JobOptions) -> Problem | None:
 
 
 def read_chunks(
-    path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+    path: Path,
+    endpoint: Endpoint,
+    model_names: frozenset[str],
+    options: JobOptions,
+    priority: bool | None = None,
 ) -> Iterator[list[bytes] | Problem]:
     """Checks every line, in file order; yields the problems of bad lines and, for runs of good
     ones, their shard lines (``{"i", "key", "body"}``, the body passed through as written).
+    ``priority``: whether the job's engine schedules by priority (see :class:`EngineTraits`).
 
     A line that looks right is checked on a fast path (one typed decode); any other line takes
     the full path that names its problems. Ids used twice are named after the last line.
@@ -167,7 +174,8 @@ def read_chunks(
     ids = _Ids()
     index = 0
     chunk: list[bytes] = []
-    shortening = _shortening(options.model) if endpoint == "embeddings" else None
+    traits = EngineTraits(_shortening(options.model) if endpoint == "embeddings" else None, priority)
+    budget = TokenBudget(options) if endpoint not in POOLING else None
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
     with path.open("rb") as f:
         head = f.read(4)
@@ -181,10 +189,13 @@ def read_chunks(
         for number, raw in _Lines(f):
             if number == 1 and raw is not None:
                 raw = raw.removeprefix(_UTF8_BOM)
-            line = _fast_line(raw, own_urls, endpoint, model_names, shortening)
+            line = _fast_line(raw, own_urls, endpoint, model_names, traits)
             if line is not None:
-                ids.add(line[0], number)
-                chunk.append(_shard_line(index, *line))
+                cid, body_json, body = line
+                ids.add(cid, number)
+                if budget is not None:
+                    budget.add(body)
+                chunk.append(_shard_line(index, cid, body_json))
                 index += 1
                 if len(chunk) == CHUNK_ROWS:
                     yield chunk
@@ -199,7 +210,7 @@ def read_chunks(
                 if reason is not None:
                     problems = [Problem(reason, line=number, code=INVALID_JSON)]
                 else:
-                    problems = _check_line(value, endpoint, model_names, number, shortening)
+                    problems = _check_line(value, endpoint, model_names, number, traits)
             if problems:
                 if chunk:
                     yield chunk
@@ -207,11 +218,15 @@ def read_chunks(
                 yield from problems
                 continue
             ids.add(value["custom_id"], number)
+            if budget is not None:
+                budget.add(value["body"])
             chunk.append(_shard_line(index, value["custom_id"], msgspec.json.encode(value["body"])))
             index += 1
     if chunk:
         yield chunk
     yield from ids.repeated(path)
+    if budget is not None and (over := budget.problem()) is not None:
+        yield over
 
 
 def _shard_line(index: int, key: str, body: bytes) -> bytes:
@@ -262,10 +277,10 @@ def _fast_line(
     own_urls: set[str],
     endpoint: Endpoint,
     model_names: frozenset[str],
-    shortening: tuple[bool, list[int] | None] | None,
-) -> tuple[str, bytes] | None:
-    """(custom_id, body as JSON) for a line that passes every check; None when the line must go
-    the full way (it may still be good)."""
+    traits: EngineTraits,
+) -> tuple[str, bytes, dict[str, Any]] | None:
+    """(custom_id, body as JSON, body) for a line that passes every check; None when the line
+    must go the full way (it may still be good)."""
     if raw is None:
         return None
     try:
@@ -281,9 +296,9 @@ def _fast_line(
         body = msgspec.json.decode(request.body)
     except (msgspec.DecodeError, RecursionError):
         return None
-    if type(body) is not dict or check_body(body, endpoint, model_names, shortening):
+    if type(body) is not dict or check_body(body, endpoint, model_names, traits):
         return None
-    return cid, bytes(request.body)
+    return cid, bytes(request.body), body
 
 
 def _check_line(
@@ -291,7 +306,7 @@ def _check_line(
     endpoint: Endpoint,
     model_names: frozenset[str],
     number: int,
-    shortening: tuple[bool, list[int] | None] | None,
+    traits: EngineTraits,
 ) -> list[Problem]:
     if not isinstance(value, dict):
         return [Problem("must be a JSON object with custom_id and body", line=number, code=INVALID_TYPE)]
@@ -323,7 +338,7 @@ def _check_line(
     else:
         own = ENDPOINT_BY_URL.get(url, endpoint) if isinstance(url, str) else endpoint  # not the job's, if mixed
         problems += [
-            Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names, shortening)
+            Problem(p.message, number, p.field, p.code) for p in check_body(value["body"], own, model_names, traits)
         ]
     return problems
 

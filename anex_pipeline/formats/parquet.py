@@ -40,8 +40,14 @@ class ParquetFormat(Format):
             raise JobRejected(exc.problems) from None
 
     def read_chunks(
-        self, path: Path, endpoint: Endpoint, model_names: frozenset[str], options: JobOptions
+        self,
+        path: Path,
+        endpoint: Endpoint,
+        model_names: frozenset[str],
+        options: JobOptions,
+        priority: bool | None = None,
     ) -> Iterator[pa.RecordBatch | Problem]:
+        """A Parquet row has no priority (no job option sets one), so ``priority`` changes nothing."""
         return parquet_input.read_chunks(path, endpoint, model_names, options)
 
     def chunk_rows(self, chunk: pa.RecordBatch, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:

@@ -4,7 +4,7 @@ own columns must not take their names."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.formats import arrow_checkpoint
 from anex_pipeline.formats.images import image_part
-from anex_pipeline.request_fields import SCORING
+from anex_pipeline.request_fields import POOLING, SCORING
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     INVALID_VALUE,
@@ -29,6 +29,7 @@ from anex_pipeline.spec import (
     Problem,
 )
 from anex_pipeline.validate import check_body
+from anex_pipeline.validate.answers import TokenBudget
 from anex_pipeline.validate.problems import FieldProblem
 
 T = TypeVar("T")
@@ -225,6 +226,7 @@ def read_chunks(
     has_id = "id" in pf.schema_arrow.names
     columns = list(dict.fromkeys([column] + (["id"] if has_id else []) + [options.image_column or column]))
     index = 0
+    budget = TokenBudget(options) if endpoint not in POOLING else None
     try:
         seen: dict[str, int] | None = None if not has_id or _ids_unique(pf) else {}
         for batch in made_ahead(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
@@ -232,12 +234,21 @@ def read_chunks(
             indices = pa.array(np.arange(index, index + batch.num_rows, dtype=np.int64))
             if seen is None and not options.image_column and _plain_and_sound(values, endpoint):
                 keys = (batch.column("id") if has_id else indices).cast(pa.string())
-                yield pa.RecordBatch.from_arrays([indices, keys, values], names=SHARD_COLUMNS)
+                found: Iterable[pa.RecordBatch | Problem] = [
+                    pa.RecordBatch.from_arrays([indices, keys, values], names=SHARD_COLUMNS)
+                ]
             else:
-                yield from _checked_rows(batch, column, has_id, index, seen, endpoint, options, model_names)
+                found = _checked_rows(batch, column, has_id, index, seen, endpoint, options, model_names)
+            for item in found:
+                if budget is not None and isinstance(item, pa.RecordBatch):
+                    budget.add_plain(item.num_rows)  # a row's body is the job's prompt and options
+                yield item
             index += batch.num_rows
     except (pa.ArrowException, OSError) as exc:
         yield Problem(f"the Parquet data could not be read at row {index + 1}: {exc}")
+        return
+    if budget is not None and (over := budget.problem()) is not None:
+        yield over
 
 
 def _ids_unique(pf: pq.ParquetFile) -> bool:

@@ -151,6 +151,7 @@ def validated_input(
                 job_id=job.job_id,
                 local_model=not engine.base_url,
                 adapters=engine.lora_modules,
+                priority=engine.schedules_by_priority(),
                 s3_client=storage.s3_client(quick=True) if is_s3(config.output) or is_s3(config.report) else None,
             )
             job.start_clock(options.time_limit_s)  # launched from Dagster: the limit runs from submission

@@ -23,9 +23,10 @@ from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.fetch_media import attach_media
 from anex_pipeline.stopping import StopCheck
+from anex_pipeline.validate.numbers import UNCAPPED_ROW_TOKENS
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
 
-GENEROUS_CAP = 1024
+GENEROUS_CAP = UNCAPPED_ROW_TOKENS  # what an uncapped row counts for in the job's token budget
 
 
 def read_estimate(job: JobDir) -> EstimateReport:

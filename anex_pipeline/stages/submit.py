@@ -118,14 +118,15 @@ def detect_format(path: Path) -> Format:
     return kind
 
 
-def read_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[Any]]:
+def read_input(path: Path, options: JobOptions, priority: bool | None = None) -> tuple[Format, Endpoint, Iterator[Any]]:
     """Opens an input for checking: its format, its endpoint, and its problems and chunks of
-    accepted rows (in the format's own form), in input order."""
+    accepted rows (in the format's own form), in input order. ``priority``: whether the job's
+    engine schedules rows by priority (None: not known here)."""
     kind = detect_format(path)
     endpoint = kind.job_endpoint(path, options)
     _, model_name = resolve_model(options.model, endpoint)
     names = ModelNames(model_name, [options.model] if options.model else [], options.lora_modules or {})
-    return kind, endpoint, kind.read_chunks(path, endpoint, names, options)
+    return kind, endpoint, kind.read_chunks(path, endpoint, names, options, priority)
 
 
 def check_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iterator[InputRow | Problem]]:
@@ -229,6 +230,7 @@ def prepare_job(
     results_in: Path | None = None,
     claim: Callable[[JobDir], object] | None = None,
     adapters: dict[str, str] | None = None,
+    priority: bool | None = None,
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
@@ -242,13 +244,14 @@ def prepare_job(
     rows is checked: what it raises ends the check, and the rows it had staged are removed.
     Idempotent: a job whose manifest already exists for the same input content is reused as it
     is, so reruns and resumes keep their checkpoints. ``adapters``: the engine's LoRA adapters
-    (its ``lora_modules``), which join a generation job's own.
+    (its ``lora_modules``), which join a generation job's own. ``priority``: whether the engine
+    schedules rows by priority (see :meth:`~anex_pipeline.engine.config.EngineConfig.schedules_by_priority`).
     """
     input_path = Path(input_path)
-    kind, endpoint, chunks = read_input(input_path, options)
+    kind, endpoint, chunks = read_input(input_path, options, priority)
     if adapters and endpoint != "embeddings":  # read again (nothing is read yet) knowing the adapters
         options = options.model_copy(update={"lora_modules": {**adapters, **(options.lora_modules or {})}})
-        kind, endpoint, chunks = read_input(input_path, options)
+        kind, endpoint, chunks = read_input(input_path, options, priority)
     report = report or default_report_path(output)
     check_destinations(input_path, output, report, options_file, work_root=work_root, results_in=results_in)
     problems = Problems(model_problems(options.model) if local_model else [])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
@@ -52,15 +53,27 @@ class ModelNames(frozenset[str]):
         return names
 
 
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the job's engine can do, for the fields that need it, as far as the submit check
+    knows; None where it does not (a job sent to a model server runs what that server does).
+
+    ``shortening``: for an embeddings job, whether its model can shorten vectors and to which
+    lengths (see :func:`anex_pipeline.engine.models.matryoshka_dimensions`). ``priority``: whether
+    the engine schedules rows by their ``priority`` (vLLM's ``scheduling_policy=priority``)."""
+
+    shortening: tuple[bool, list[int] | None] | None = None
+    priority: bool | None = None
+
+
+NO_TRAITS = EngineTraits()
+
+
 def check_body(
-    body: Any,
-    endpoint: Endpoint,
-    model_names: frozenset[str],
-    shortening: tuple[bool, list[int] | None] | None = None,
+    body: Any, endpoint: Endpoint, model_names: frozenset[str], traits: EngineTraits = NO_TRAITS
 ) -> list[FieldProblem]:
-    """Checks a request body for what the pipeline needs before anything runs. ``shortening``:
-    for an embeddings job, whether its model can shorten vectors and to which lengths (see
-    :func:`anex_pipeline.engine.models.matryoshka_dimensions`); None when that is not known here."""
+    """Checks a request body for what the pipeline needs before anything runs, on an engine
+    with ``traits``."""
     if not isinstance(body, dict):
         return [wrong_kind("body", body, f"must be an object with the request, got {kind_of(body)}")]
     problems: list[FieldProblem] = []
@@ -82,7 +95,7 @@ def check_body(
     elif endpoint == "rerank":
         problems += check_rerank_request(body)
     else:
-        problems += check_embedding_request(body, model_names, shortening)
+        problems += check_embedding_request(body, model_names, traits.shortening)
     if "response_format" in body and endpoint != "embeddings":
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
@@ -103,6 +116,12 @@ def check_body(
     if endpoint == "chat" and isinstance(effort, str) and effort not in EFFORTS:
         message = f"must be one of {', '.join(EFFORTS)}; got {json.dumps(effort)}"
         problems.append(FieldProblem("body.reasoning_effort", message))
+    if traits.priority is False and type(body.get("priority")) is int and body["priority"] != 0:
+        message = (
+            "asks for a place in the scheduler's order, and this job's engine does not schedule by "
+            "priority; start it with --engine-arg scheduling_policy=priority, or remove priority"
+        )
+        problems.append(FieldProblem("body.priority", message))
     if endpoint == "chat" and body.get("continue_final_message") is True:
         problems += check_continuation(body)
     kwargs = body.get("chat_template_kwargs")

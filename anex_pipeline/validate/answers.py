@@ -10,8 +10,14 @@ from typing import Any
 from anex_pipeline.request_fields import (
     CAP_FIELDS,
 )
-from anex_pipeline.spec import INVALID_TYPE, UNKNOWN_PARAMETER, Endpoint
-from anex_pipeline.validate.numbers import MAX_CHOICES, MAX_LOGPROBS, MAX_ROW_TOKENS
+from anex_pipeline.spec import INVALID_TYPE, UNKNOWN_PARAMETER, Endpoint, JobOptions, Problem
+from anex_pipeline.validate.numbers import (
+    MAX_CHOICES,
+    MAX_JOB_TOKENS,
+    MAX_LOGPROBS,
+    MAX_ROW_TOKENS,
+    UNCAPPED_ROW_TOKENS,
+)
 from anex_pipeline.validate.problems import FieldProblem, kind_of, wrong_kind
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -180,6 +186,41 @@ def check_choices(body: dict[str, Any]) -> list[FieldProblem]:
         f"{MAX_ROW_TOKENS:,} (n x max_tokens): lower n or max_tokens"
     )
     return [FieldProblem("body.n", message)]
+
+
+class TokenBudget:
+    """The output tokens a job's accepted rows ask for together, against its budget (the job's
+    ``max_job_tokens``, or MAX_JOB_TOKENS). A row asks for its choices (``n``, times its prompts
+    on completions) times its cap: its own, else the job's ``max_tokens``, else what the length
+    estimate may give it (UNCAPPED_ROW_TOKENS). The file readers add each row they accept."""
+
+    def __init__(self, options: JobOptions):
+        self.limit = options.max_job_tokens or MAX_JOB_TOKENS
+        self.job_cap = options.max_tokens or UNCAPPED_ROW_TOKENS
+        self.asked = 0
+
+    def add(self, body: dict[str, Any]) -> None:
+        n = body.get("n")
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        caps = (body.get(name) for name in (*CAP_FIELDS, "max_output_tokens"))
+        cap = next((c for c in caps if type(c) is int), self.job_cap)
+        self.asked += (n if type(n) is int else 1) * prompts * cap
+
+    def add_plain(self, rows: int) -> None:
+        """Rows of one choice each under the job's cap (a Parquet file's prompts)."""
+        self.asked += rows * self.job_cap
+
+    def problem(self) -> Problem | None:
+        if self.asked <= self.limit:
+            return None
+        message = (
+            f"the rows ask for up to {self.asked:,} output tokens in all (each row n x its max_tokens, times "
+            f"its prompts on completions; {UNCAPPED_ROW_TOKENS:,} for a row with no cap), more than the job's "
+            f"budget of {self.limit:,}; "
+            "split the file, lower n or max_tokens, or set max_job_tokens higher"
+        )
+        return Problem(message, field="max_job_tokens")
 
 
 def check_logprobs(body: dict[str, Any], endpoint: Endpoint) -> list[FieldProblem]:

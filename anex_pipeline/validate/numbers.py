@@ -30,6 +30,16 @@ MAX_CHOICES = 128
 MAX_ROW_TOKENS = 2**20
 
 
+# The output tokens a job's rows may ask for together (see validate.answers.TokenBudget), unless
+# the job's max_job_tokens says otherwise: about a day of generation on a large GPU cluster.
+MAX_JOB_TOKENS = 2**34
+
+
+# What a row with no cap of its own (and a job with none) counts for: the length estimate's
+# sample cap, which is the most the estimate ever gives such a row.
+UNCAPPED_ROW_TOKENS = 1024
+
+
 # Integer request fields and job options with the values the engine can take: (lowest, highest).
 INTEGER_RANGES = {
     "seed": (INT64_MIN, INT64_MAX),
