@@ -317,3 +317,14 @@ def test_a_refusal_names_the_option_for_the_batch_api_as_well() -> None:
         job_options({"n": 3})
     assert [p.field for p in refused.value.problems] == ["n"]
     assert JobOptions().logprobs is None and job_options({"logprobs": True, "top_logprobs": 0}).top_logprobs == 0
+
+
+def test_the_command_line_asks_for_the_column_with_flags(tmp_path: Path) -> None:
+    from anex_pipeline.cli.parser import build_parser, collect_options
+
+    src = parquet(tmp_path / "in.parquet", prompt=["a"])
+    argv = ["run", str(src), "-o", str(tmp_path / "o.parquet"), "--logprobs", "--top-logprobs", "3"]
+    options = collect_options(build_parser().parse_args(argv))
+    assert (options["logprobs"], options["top_logprobs"]) == (True, 3)
+    assert job_options(options).logprobs is True
+    assert "logprobs" not in collect_options(build_parser().parse_args(argv[:4]))

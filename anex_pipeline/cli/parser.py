@@ -32,6 +32,8 @@ OPTION_FLAGS: list[tuple[str, str, Any]] = [
     ("--image-column", "image_column", str),
     ("--system-prompt", "system_prompt", str),
     ("--estimate-sample-size", "estimate_sample_size", int),
+    ("--top-logprobs", "top_logprobs", int),
+    ("--max-job-tokens", "max_job_tokens", int),
 ]
 
 
@@ -41,6 +43,7 @@ BOOL_FLAGS = [
     ("--parse-tool-calls", "parse_tool_calls"),
     ("--prefix-order", "prefix_order"),
     ("--answer-store", "answer_store"),
+    ("--logprobs", "logprobs"),
 ]
 
 
@@ -66,6 +69,10 @@ FLAG_HELP: dict[str, str] = {
     "or the image file's bytes (default: none)",
     "system_prompt": "system message for every chat row without one (instructions for responses rows)",
     "estimate_sample_size": "rows generated to estimate max_tokens (default: 100)",
+    "top_logprobs": "Parquet jobs, with --logprobs: the best alternatives listed for each token, 0 to 20 "
+    "(JSONL rows ask in their own body)",
+    "max_job_tokens": "the most output tokens the rows may ask for together, each row n x its max_tokens "
+    "(default: 2^34)",
 }
 
 
@@ -77,6 +84,8 @@ BOOL_HELP: dict[str, str] = {
     "--no-prefix-order keeps file order)",
     "answer_store": "answer deterministic rows that an earlier job of the work folder answered on the same model "
     "and engine settings with that answer, not generated again (default: on)",
+    "logprobs": "Parquet jobs: a logprobs column with each generated token's logprob (JSONL rows ask in their "
+    "own body; default: off)",
 }
 
 
