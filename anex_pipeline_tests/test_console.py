@@ -264,7 +264,7 @@ def test_a_plain_run_shows_our_lines_and_gradual_progress_only(tmp_path: Path) -
     assert len([c for c in counts if 0 < c < 120]) >= 3, lines
     assert counts == sorted(counts) and counts[-1] == 120
     log = Path(re.search(r"go to (\S+\.log)", done.stderr).group(1))  # type: ignore[union-attr]
-    assert "EngineCore" in log.read_text()  # the engine's own chatter is there
+    assert "Resolved architecture" in log.read_text()  # the engine's own chatter is there
     assert json.loads(done.stdout)["request_counts"]["completed"] == 120
 
 

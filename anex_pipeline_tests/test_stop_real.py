@@ -1,6 +1,8 @@
 """Stopping real commands on the real engine: Ctrl-C to ``anex-pipeline run`` (sent to its whole
-process group, as a terminal does, so vLLM's engine process gets it too), and SIGTERM to
-``anex-pipeline serve`` while its engine loads and while it generates."""
+process group, as a terminal does, so vLLM's engine process gets it too; the job is small, so the
+command runs vLLM's engine core in its own process, and the Ctrl-C test of
+``test_engine_tensor_parallel.py`` covers engine processes), and SIGTERM to ``anex-pipeline serve``
+while its engine loads and while it generates."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
     stdout, stderr = second.communicate(timeout=600)
     assert second.returncode == 0, stderr
     assert json.loads(stdout)["status"] == "completed"
+    assert json.loads(stdout)["engine"]["core_in_process"] is True  # a small job
     assert [r["custom_id"] for r in read_jsonl(out)] == [f"r{i}" for i in range(ROWS)]
 
 

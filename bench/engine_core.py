@@ -1,6 +1,7 @@
-"""vLLM's engine core in its own processes (today's default: the calling process, EngineCore and
-its Worker, each importing vLLM) against the core in the calling process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one import, the model in the command's own process), for
+"""vLLM's engine core in its own processes (the calling process, EngineCore and its Worker, each
+importing vLLM) against the core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one
+import, the model in the command's own process; the command's choice for jobs of up to
+``SMALL_JOB_ROWS`` rows), for
 engine start and generation, on the same job run by ``anex-pipeline run``. Alternating pairs,
 medians; unique rows, so that no answer is reused.
 
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from bench.vs_run_batch import make_input, output_tokens, run_ours
 
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-MODES = {"processes": {}, "in-process": IN_PROCESS}
+# The variable as the user would set it, which the command leaves alone: either way, whatever the size.
+MODES = {"processes": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "in-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 def one_run(src: Path, tmp: Path, mode: str, n: int) -> dict[str, float]:

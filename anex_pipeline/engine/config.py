@@ -47,6 +47,13 @@ class EngineConfig(BaseModel):
         description='LoRA adapters of every generation job this engine runs, by name: {"name": "local folder or '
         "HF id\"}; they join each job's own lora_modules at submit, and rows choose one by body.model.",
     )
+    core_in_process_rows: int = Field(
+        default=0,
+        ge=0,
+        description="In-process vLLM only: a job of at most this many rows runs vLLM's engine core in this "
+        "process instead of two processes of its own (one import of vLLM instead of three: on a CPU the engine "
+        "starts about 12 s sooner, and generates as fast). 0 = never. The command line sets it for small jobs.",
+    )
     base_url: str | None = Field(
         default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
         description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "

@@ -140,7 +140,20 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         reasoning_parser=parsers.reasoning,
         tool_parser=parsers.tool,
         lora_modules=canonical(manifest.job_options().lora_modules or {}),
+        core_in_process=_core_in_process(config, manifest),
     )
+
+
+PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def _core_in_process(config: EngineConfig, manifest: JobManifest) -> bool:
+    """Whether the job is small enough for vLLM's engine core in this process; a model spread over
+    several devices always gets its processes (one per device)."""
+    if config.core_in_process_rows == 0:  # never (a service's warm-up loads for a job of no rows yet)
+        return False
+    parallel = any(int(config.engine_args.get(name) or 1) > 1 for name in PARALLEL_ARGS)
+    return not parallel and manifest.total_rows <= config.core_in_process_rows
 
 
 def _vllm_engine(config: EngineConfig, manifest: JobManifest) -> Engine:

@@ -50,7 +50,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,8 @@ _TYPES = {"pid": int, "start": int, "group": int, "port": int, "key": str, "mode
 
 def settings_key(settings: Any) -> str:
     """The key of the engine settings a server serves (two equal settings share a server)."""
-    return hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode()).hexdigest()[:16]
+    compared = {f.name: getattr(settings, f.name) for f in fields(settings) if f.compare}
+    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def private_folder(folder: Path) -> Path:

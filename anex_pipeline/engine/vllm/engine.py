@@ -16,7 +16,7 @@ import logging
 import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from anex_pipeline.engine.adapters import AdapterRequests
@@ -38,6 +38,7 @@ from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 1.0
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # One call of a pooling model on a batch of rows with their inputs: each row with its outcome.
 PoolBatch = Callable[[list[tuple[EngineRequest, Any]]], list[tuple[EngineRequest, RowOutcome]]]
 
@@ -57,6 +58,9 @@ class EngineSettings:
     reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
     tool_parser: str | None = None
     lora_modules: str = "{}"  # the LoRA adapters loaded with the model, by name, as canonical JSON
+    # vLLM's engine core in this process (see build_llm). How the engine runs, not what it answers:
+    # left out of the comparison, so an engine or a shared server of either kind serves both.
+    core_in_process: bool = field(default=False, compare=False)
 
 
 class VllmLocalEngine(Engine):
@@ -75,7 +79,7 @@ class VllmLocalEngine(Engine):
         # is reported as the engine resolved it.
         given = {k: v for k, v in kwargs.items() if k not in ("model", "max_model_len")}
         tags = reasoning_kwargs(settings, kwargs)
-        self.llm = LLM(**kwargs)
+        self.llm = build_llm(LLM, kwargs, settings.core_in_process)
         self.prompts = PromptRenderer(self.llm, settings.model_name)
         self.tokenizer = self.prompts.tokenizer
         config = self.llm.llm_engine.model_config
@@ -244,6 +248,26 @@ class VllmLocalEngine(Engine):
         return finished
 
 
+def build_llm(llm_class: Callable[..., Any], kwargs: dict[str, Any], core_in_process: bool) -> Any:
+    """``LLM(**kwargs)``, with vLLM's engine core in this process when ``core_in_process`` (unless
+    the user set ``VLLM_ENABLE_V1_MULTIPROCESSING`` themselves). The core then needs no EngineCore
+    and Worker processes, each of which imports vLLM again. A core built here freezes vLLM's
+    environment variables for the rest of the process (``envs.enable_envs_cache``); that is undone
+    once it is built, so a later engine of the process reads them afresh. The weights' loading bar
+    is left out (unless the engine arguments ask for it): in this process it would be drawn on the
+    command's terminal, where a Worker's went to the engine log."""
+    if not core_in_process or MULTIPROCESSING_ENV in os.environ:
+        return llm_class(**kwargs)
+    from vllm import envs
+
+    os.environ[MULTIPROCESSING_ENV] = "0"
+    try:
+        return llm_class(**{"use_tqdm_on_load": False, **kwargs})
+    finally:
+        os.environ.pop(MULTIPROCESSING_ENV, None)
+        envs.disable_envs_cache()  # vLLM reads the variable while it builds the engine, not after
+
+
 def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any) -> dict[str, Any]:
     """The report's account of the engine, enough to load the same one again: every argument the
     engine was given beside the model and its context (the pipeline's and the user's), and the
@@ -259,6 +283,7 @@ def _report_section(settings: EngineSettings, given: dict[str, Any], config: Any
         "max_model_len": config.max_model_len,
         "max_model_len_source": context_source,
         "engine_args": given,
+        "core_in_process": settings.core_in_process,
     }
 
 
