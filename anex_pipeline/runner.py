@@ -207,10 +207,11 @@ class JobRunner:
         """Shards with rows that are missing from their checkpoint or failed."""
         return unfinished_shards(job)
 
-    def close(self) -> None:
+    def close(self, exiting: bool = False) -> None:
+        """Lets go of the job leases and the engines (see :func:`release_engines` for ``exiting``)."""
         while self._leases:
             self._leases.popitem()[1].close()
-        release_engines()
+        release_engines(exiting)
 
     def _execute(self, job_name: str, partition_key: str) -> None:
         result = self.defs.resolve_job_def(job_name).execute_in_process(

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from anex_pipeline.engine import loader
+from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import vllm_settings
 from anex_pipeline.engine.machine_server import settings_key
@@ -63,3 +65,34 @@ def test_the_core_is_built_in_process_only_when_asked_and_the_variable_is_put_ba
     build_llm(fake_llm, {}, core_in_process=True)
     assert seen[-1] == "1" and os.environ[MULTIPROCESSING_ENV] == "1"
     envs.disable_envs_cache()  # the fake core above cached them this time: later tests read them afresh
+
+
+class _Held(Engine):
+    model_name = "m"
+
+    def __init__(self, ends_with_process: bool):
+        self.ends_with_process = ends_with_process
+        self.calls: list[str] = []
+
+    def run(self, requests: Any) -> list[Any]:
+        return []
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def let_go(self) -> None:
+        self.calls.append("let_go")
+
+
+@pytest.mark.parametrize("exiting", [True, False])
+def test_a_process_that_ends_next_lets_go_of_an_engine_that_ends_with_it(
+    exiting: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The installed command, about to end, skips the 1.5 s shutdown of an engine core in its own
+    process; an engine with processes of its own is shut down all the same, and so is every
+    engine of a process that goes on."""
+    inside, outside = _Held(ends_with_process=True), _Held(ends_with_process=False)
+    monkeypatch.setattr(loader, "_loaded", {"a": inside, "b": outside})
+    loader.release_engines(exiting)
+    assert inside.calls == (["let_go"] if exiting else ["shutdown"])
+    assert outside.calls == ["shutdown"] and loader._loaded == {}

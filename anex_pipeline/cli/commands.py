@@ -132,7 +132,7 @@ def _run_job(args: argparse.Namespace, raw: dict[str, Any]) -> int:
         )
         return _Ran(job, read_timings(job), runner.run(job))
 
-    return _report_of(runner, run, args.json)
+    return _report_of(runner, run, args.json, args.own_terminal)
 
 
 def _metrics_server(port: int | None) -> Any:
@@ -174,7 +174,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
         logging.getLogger("anex_pipeline.progress").info("rerunning shards %s", shards or "none (all finished)")
         return _Ran(job, read_timings(job), runner.run(job, shards=shards))
 
-    return _report_of(runner, backfill, args.json)
+    return _report_of(runner, backfill, args.json, args.own_terminal)
 
 
 @dataclass
@@ -204,9 +204,11 @@ class _WithoutStorageNoise:
         return getattr(self._stream, name)
 
 
-def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
+def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool, exiting: bool) -> int:
     """Runs a job action, always releasing the engine; prints the summary (and the JSON report
-    when asked or when standard output is not a terminal) and picks the exit code."""
+    when asked or when standard output is not a terminal) and picks the exit code. ``exiting``:
+    the process ends right after (the installed command), so an engine that ends with it is let go
+    without its shutdown."""
     import sqlite3
 
     from sqlalchemy.exc import DBAPIError
@@ -233,7 +235,7 @@ def _report_of(runner: Any, work: Callable[[], _Ran], as_json: bool) -> int:
         return ExitCode.STOPPED
     finally:
         close_progress()
-        runner.close()
+        runner.close(exiting)
     return _finish(ran, time.monotonic() - started, as_json or not sys.stdout.isatty())
 
 

@@ -99,6 +99,9 @@ class Engine(ABC):
     # The engine's prefix cache, if it keeps computed prompt blocks: rows sharing a prompt prefix
     # are then sent to it together (anex_pipeline.engine.prefix_order), by their prompt_tokens.
     prefix_cache: PrefixCache | None = None
+    # Whether everything the engine holds ends with this process (no process, file, lease or
+    # server of its own outlives it): a process that is about to end then need not shut it down.
+    ends_with_process: bool = False
 
     @abstractmethod
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
@@ -119,6 +122,11 @@ class Engine(ABC):
 
     def shutdown(self) -> None:
         """Releases what the engine holds (its model, its connections); by default nothing."""
+        return None
+
+    def let_go(self) -> None:
+        """Instead of :meth:`shutdown`, for an engine that ``ends_with_process`` in a process that
+        is about to end: undoes whatever would shut it down at exit; by default nothing."""
         return None
 
     def report_section(self) -> dict[str, Any]:
