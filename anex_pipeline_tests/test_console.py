@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -420,9 +421,9 @@ class Terminal:
 @pytest.mark.engine
 def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_path: Path) -> None:
     """The real command on the real engine under a pseudo-terminal, then piped: no row or rate
-    before the engine is ready, a loading line that counts the seconds, an ETA at half-way within
-    a factor of 2 of the time that was really left, and a summary of at most 12 lines; piped, the
-    JSON report on standard output."""
+    before the engine is ready, a loading line that counts the seconds, a time left in the middle
+    of the job within a factor of 2 of the time that was really left (the median of its frames),
+    and a summary of at most 12 lines; piped, the JSON report on standard output."""
     rows = story_rows(40)
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
     src = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -442,11 +443,13 @@ def test_a_run_at_a_terminal_tells_the_truth_and_ends_with_a_short_summary(tmp_p
 
     frames = [(t, m) for t, text in pieces[ready:] if (m := BAR.search(text))]
     assert frames, texts
-    half = next((t, m) for t, m in frames if int(m.group(1)) * 2 >= int(m.group(2)) and m.group(5))
     finished = next(t for t, m in frames if m.group(1) == m.group(2))
-    eta, really_left = seconds_of(half[1].group(5)), finished - half[0]
+    # The time left shown against the time really left, from a quarter to three quarters of the rows:
+    # their median within a factor of 2 (on a shared machine one moment's pace can be far off).
+    middle = [(t, m) for t, m in frames if m.group(5) and 1 <= 4 * int(m.group(1)) / int(m.group(2)) <= 3]
+    ratios = sorted(seconds_of(m.group(5)) / (finished - t) for t, m in middle)
     timeline = [(round(t - frames[0][0], 2), int(m.group(1)), m.group(5)) for t, m in frames]
-    assert really_left / 2 <= eta <= really_left * 2, (eta, really_left, timeline)
+    assert len(ratios) >= 5 and 0.5 <= statistics.median(ratios) <= 2, (ratios, timeline)
 
     summary = summary_of("\n".join(texts))
     assert len(summary) <= 12 and summary[0] == "status      completed", summary
