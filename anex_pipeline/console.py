@@ -98,14 +98,12 @@ class _Clock:
     started: float
     done: int
     tokens: int
-    first_finish: tuple[float, int] | None = None  # when, and the rows done then
     # (when, rows done) at updates that finished rows, from the first finish on; thinned to at
-    # most FINISHES_KEPT by dropping every other one, so a long job keeps a bounded list.
+    # most FINISHES_KEPT by dropping every other one but the first, so a long job keeps a
+    # bounded list.
     finishes: list[tuple[float, int]] = field(default_factory=list)
 
     def finished(self, now: float, done: int) -> None:
-        if self.first_finish is None:
-            self.first_finish = (now, done)
         self.finishes.append((now, done))
         if len(self.finishes) > FINISHES_KEPT:
             self.finishes = [*self.finishes[:-1:2], self.finishes[-1]]
@@ -115,8 +113,7 @@ class _Clock:
         finished since the first finish. Engines finish rows faster as their batch empties and
         slower while another process takes the cores, so the latest half of the rows says more
         about the rest than the whole does."""
-        assert self.first_finish is not None
-        middle = (self.first_finish[1] + done) / 2
+        middle = (self.finishes[0][1] + done) / 2
         at = bisect.bisect_right([rows for _, rows in self.finishes], middle) - 1
         return self.finishes[max(at, 0)]
 
@@ -251,7 +248,7 @@ class ProgressDisplay:
         """Rows/s, output tok/s and the time left (see :class:`_Clock`); empty until a row has
         finished since generation started (a rate of nothing says nothing)."""
         clock = self._clock
-        if clock is None or clock.first_finish is None:
+        if clock is None or not clock.finishes:
             return ""
         tokens_per_s = max(tokens - clock.tokens, 0) / max(now - clock.started, 1e-6)
         since, first = clock.recent(done)

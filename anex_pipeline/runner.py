@@ -17,7 +17,7 @@ from typing import IO, Any
 import dagster as dg
 
 from anex_pipeline.engine.config import EngineConfig
-from anex_pipeline.engine.loader import release_engines
+from anex_pipeline.engine.loader import release_engines, schedules_by_priority
 from anex_pipeline.errors import AnexError
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
@@ -107,7 +107,7 @@ class JobRunner:
                 report=report,
                 local_model=not self.engine.base_url,
                 adapters=self.engine.lora_modules,
-                priority=self.engine.schedules_by_priority(),
+                priority=schedules_by_priority(self.engine),
                 s3_client=self.storage.s3_client(quick=True) if _uses_s3(output, report) else None,
                 options_file=Path(options_file) if options_file else None,
                 results_in=results_in,

@@ -15,6 +15,7 @@ import pytest
 from anex_pipeline.engine.base import EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.http.engine import request_body
+from anex_pipeline.engine.loader import schedules_by_priority
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler
@@ -239,9 +240,9 @@ def test_priority_is_refused_at_submit_on_an_engine_that_does_not_schedule_by_it
     assert check_body(body, "chat", frozenset(), EngineTraits(priority=True)) == []
     assert check_body(body, "chat", frozenset(), EngineTraits(priority=None)) == []  # a model server decides
     assert check_body({**body, "priority": 0}, "chat", frozenset(), EngineTraits(priority=False)) == []
-    assert EngineConfig(engine_args={}).schedules_by_priority() is False
-    assert EngineConfig(engine_args={"scheduling_policy": "priority"}).schedules_by_priority() is True
-    assert EngineConfig(base_url="http://127.0.0.1:9").schedules_by_priority() is None
+    assert schedules_by_priority(EngineConfig(engine_args={})) is False
+    assert schedules_by_priority(EngineConfig(engine_args={"scheduling_policy": "priority"})) is True
+    assert schedules_by_priority(EngineConfig(base_url="http://127.0.0.1:9")) is None
 
 
 @pytest.mark.subprocess

@@ -70,13 +70,6 @@ class EngineConfig(BaseModel):
     def _known_to_vllm(cls, value: dict[str, Any]) -> dict[str, Any]:
         return check_engine_args(value)
 
-    def schedules_by_priority(self) -> bool | None:
-        """Whether this engine orders rows by their ``priority`` (vLLM's ``scheduling_policy``);
-        None for a model server, whose own settings decide."""
-        if self.base_url or self.kind not in ("auto", "vllm"):
-            return None
-        return self.engine_args.get("scheduling_policy") == "priority"
-
     def plain(self) -> EngineConfig:
         """These settings as a plain EngineConfig (from a subclass such as the Dagster resource)."""
         return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})

@@ -210,6 +210,14 @@ def engine_kind(config: EngineConfig) -> str:
     return config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
 
 
+def schedules_by_priority(config: EngineConfig) -> bool | None:
+    """Whether the engine these settings pick orders rows by their ``priority`` (vLLM's
+    ``scheduling_policy``); None for any other engine (a model server decides for itself)."""
+    if engine_kind(config) != "vllm":
+        return None
+    return config.engine_args.get("scheduling_policy") == "priority"
+
+
 def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *, start: bool = True) -> Engine | None:
     """The engine a job runs on, with the vLLM engine replaced by this machine's shared model
     server (started if none serves the job's model and settings) reached over loopback. With

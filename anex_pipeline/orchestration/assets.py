@@ -19,6 +19,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, ShardProgress
+from anex_pipeline.engine.loader import schedules_by_priority
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.partitions import (
@@ -151,7 +152,7 @@ def validated_input(
                 job_id=job.job_id,
                 local_model=not engine.base_url,
                 adapters=engine.lora_modules,
-                priority=engine.schedules_by_priority(),
+                priority=schedules_by_priority(engine),
                 s3_client=storage.s3_client(quick=True) if is_s3(config.output) or is_s3(config.report) else None,
             )
             job.start_clock(options.time_limit_s)  # launched from Dagster: the limit runs from submission

@@ -79,9 +79,8 @@ class VllmLocalEngine(Engine):
         # is reported as the engine resolved it.
         given = {k: v for k, v in kwargs.items() if k not in ("model", "max_model_len")}
         tags = reasoning_kwargs(settings, kwargs)
+        self.ends_with_process = builds_core_here(settings.core_in_process)  # no EngineCore or Worker process
         self.llm = build_llm(LLM, kwargs, settings.core_in_process)
-        # built here with no EngineCore or Worker process of its own (see build_llm)
-        self.ends_with_process = settings.core_in_process and MULTIPROCESSING_ENV not in os.environ
         self.prompts = PromptRenderer(self.llm, settings.model_name)
         self.tokenizer = self.prompts.tokenizer
         config = self.llm.llm_engine.model_config
@@ -257,6 +256,11 @@ class VllmLocalEngine(Engine):
         return finished
 
 
+def builds_core_here(core_in_process: bool) -> bool:
+    """Whether :func:`build_llm` builds vLLM's engine core in this process."""
+    return core_in_process and MULTIPROCESSING_ENV not in os.environ
+
+
 def build_llm(llm_class: Callable[..., Any], kwargs: dict[str, Any], core_in_process: bool) -> Any:
     """``LLM(**kwargs)``, with vLLM's engine core in this process when ``core_in_process`` (unless
     the user set ``VLLM_ENABLE_V1_MULTIPROCESSING`` themselves). The core then needs no EngineCore
@@ -265,7 +269,7 @@ def build_llm(llm_class: Callable[..., Any], kwargs: dict[str, Any], core_in_pro
     once it is built, so a later engine of the process reads them afresh. The weights' loading bar
     is left out (unless the engine arguments ask for it): in this process it would be drawn on the
     command's terminal, where a Worker's went to the engine log."""
-    if not core_in_process or MULTIPROCESSING_ENV in os.environ:
+    if not builds_core_here(core_in_process):
         return llm_class(**kwargs)
     from vllm import envs
 
