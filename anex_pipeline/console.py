@@ -113,9 +113,39 @@ class _Clock:
         finished since the first finish. Engines finish rows faster as their batch empties and
         slower while another process takes the cores, so the latest half of the rows says more
         about the rest than the whole does."""
-        middle = (self.finishes[0][1] + done) / 2
-        at = bisect.bisect_right([rows for _, rows in self.finishes], middle) - 1
+        return self._at_or_before((self.finishes[0][1] + done) / 2)
+
+    def _at_or_before(self, rows: float) -> tuple[float, int]:
+        at = bisect.bisect_right([done for _, done in self.finishes], rows) - 1
         return self.finishes[max(at, 0)]
+
+    def seconds_left(self, done: int, total: int, now: float) -> float:
+        """The time the rows left should take, from the recent rows (see :meth:`recent`).
+
+        A job that fits in one engine batch finishes its rows faster and faster as the batch
+        empties (each step has fewer rows to compute), so the pace of the recent rows alone says
+        too long, up to twice. When the later half of the recent rows came faster than the
+        earlier half, the seconds per row are taken to keep falling along that line, down to a
+        quarter of the latest pace; the answer stays between half and all of what the recent
+        pace alone says. A pace that slows is never extrapolated: another process taking the cores
+        for a while says nothing about the rest of the job."""
+        since, first = self.recent(done)
+        steady = (total - done) * (now - since) / (done - first)
+        middle_t, middle = self._at_or_before((first + done) / 2)
+        if middle - first < 2 or done - middle < 2 or now <= middle_t or middle_t <= since:
+            return steady
+        early = (middle_t - since) / (middle - first)  # seconds per row, around row (first + middle) / 2
+        late = (now - middle_t) / (done - middle)  # around row (middle + done) / 2
+        if late >= early:
+            return steady
+        slope = (late - early) * 2 / (done - first)  # seconds per row, per row done
+        floor = late / 4
+        at_done = late + slope * (done - middle) / 2
+        # where the falling line meets the floor; the seconds per row then stay at the floor
+        meets = min(float(total), done + max(at_done - floor, 0.0) / -slope)
+        falling = (meets - done) * (at_done + at_done + slope * (meets - done)) / 2
+        trend = falling + (total - meets) * floor
+        return min(max(trend, steady / 2), steady)
 
 
 @dataclass
@@ -257,7 +287,7 @@ class ProgressDisplay:
         rows_per_s = (done - first) / (now - since)
         text = f"{rows_per_s:.1f} rows/s, {tokens_per_s:.1f} output tok/s"
         if done < total:
-            text += f", about {_duration((total - done) / rows_per_s)} left"
+            text += f", about {_duration(clock.seconds_left(done, total, now))} left"
         return text
 
     def _draw_bar(self, done: int, total: int, tokens: int, now: float) -> None:
