@@ -68,7 +68,7 @@ class JobRunner:
         self.instance = _safe_for_threads(instance)
         self.storage = StorageResource.wrapping(storage)
         self.engine = EngineResource.wrapping(engine, keep_loaded=True, warm_server=warm_server, keep_warm=keep_warm)
-        self.defs = build_definitions(storage, self.engine)
+        self.defs = build_definitions(storage, self.engine, automation=False)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time
 

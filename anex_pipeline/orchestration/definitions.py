@@ -7,7 +7,6 @@ fields the environment sets get them as ``dg.EnvVar``."""
 from __future__ import annotations
 
 import dagster as dg
-from dagster_aws.s3 import S3Resource
 
 from anex_pipeline import settings
 from anex_pipeline.orchestration import inboxes
@@ -24,28 +23,42 @@ def build_definitions(
     storage: StorageResource | None = None,
     engine: EngineResource | None = None,
     *,
+    automation: bool = True,
     s3_inbox: S3InboxSettings | None = None,
     local_inbox: LocalInboxSettings | None = None,
     retry: RetrySettings | None = None,
     retention: RetentionSettings | None = None,
 ) -> dg.Definitions:
-    """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint."""
+    """Everything a code location holds; the sensors' S3 client talks to the storage's endpoint.
+
+    ``automation=False`` leaves out the sensors and schedules (and the inboxes' resources):
+    the command's runner drives its jobs itself, and so starts without importing ``dagster_aws``."""
     storage = storage or StorageResource.from_environment()
+    resources: dict[str, object] = {
+        "storage": storage,
+        "engine": engine or EngineResource(),
+        "retry_settings": retry or RetrySettings.from_environment(),
+        "retention_settings": retention or RetentionSettings.from_environment(),
+    }
+    sensors: list[dg.SensorDefinition] = []
+    schedules: list[dg.ScheduleDefinition] = []
+    if automation:
+        from anex_pipeline.orchestration import s3_inbox as s3
+
+        sensors = [job_driver(), s3.s3_inbox, inboxes.local_inbox]
+        schedules = [retry_failed_rows(), prune_old_jobs()]
+        resources |= {
+            "s3": s3.s3_resource(storage),
+            "s3_inbox_settings": s3_inbox or S3InboxSettings.from_environment(),
+            "local_inbox_settings": local_inbox or LocalInboxSettings.from_environment(),
+        }
     return dg.Definitions(
         executor=_executor(),
         assets=all_assets,
         jobs=[*all_jobs, prune_job],
-        sensors=[job_driver(), inboxes.s3_inbox, inboxes.local_inbox],
-        schedules=[retry_failed_rows(), prune_old_jobs()],
-        resources={
-            "storage": storage,
-            "engine": engine or EngineResource(),
-            "s3": S3Resource(endpoint_url=storage.s3_endpoint_url, region_name=storage.s3_region),
-            "s3_inbox_settings": s3_inbox or S3InboxSettings.from_environment(),
-            "local_inbox_settings": local_inbox or LocalInboxSettings.from_environment(),
-            "retry_settings": retry or RetrySettings.from_environment(),
-            "retention_settings": retention or RetentionSettings.from_environment(),
-        },
+        sensors=sensors,
+        schedules=schedules,
+        resources=resources,
     )
 
 

@@ -1,7 +1,8 @@
 """Inbox sensors that turn arriving files into jobs.
 
-``s3_inbox`` turns each new object under a bucket/prefix into a job; ``local_inbox`` does the same
-for a folder. Results go to an output prefix (or an outbox folder). They only submit: the driver
+``local_inbox`` turns each new file of a folder into a job; ``s3_inbox`` (its own module, which
+imports ``dagster_aws``) does the same for the objects under a bucket/prefix, with the arrivals and
+settings this module holds. Results go to an output prefix (or an outbox folder). They only submit: the driver
 does the rest. Both are off until started in the UI (Automation) or with ``dagster sensor start``."""
 
 from __future__ import annotations
@@ -16,17 +17,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import dagster as dg
-from dagster_aws.s3 import S3Resource
-from dagster_aws.s3.sensor import get_objects
 from pydantic import Field
 
 from anex_pipeline import settings
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.options import (
-    MAX_OPTIONS_BYTES,
     SIDECAR_SUFFIX,
     OptionsError,
-    check_options_size,
     options_from_json,
     read_text_file,
     sidecar_of,
@@ -206,38 +203,6 @@ def bucket_arrivals(objects: Iterable[Mapping[str, Any]], settings: S3InboxSetti
             output=f"s3://{settings.bucket}/{result_key}",
             refused=refused,
         )
-
-
-@dg.sensor(
-    name="s3_inbox",
-    job=submit_job,
-    minimum_interval_seconds=30,
-    default_status=dg.DefaultSensorStatus.STOPPED,
-    description=(
-        "Each new object (JSONL or Parquet) under the configured bucket/prefix becomes a job, with options "
-        "from a sidecar <key>.job.json; results go under the output prefix. Needs job_driver running."
-    ),
-)
-def s3_inbox(
-    context: dg.SensorEvaluationContext, s3: S3Resource, s3_inbox_settings: S3InboxSettings
-) -> dg.SensorResult | dg.SkipReason:
-    settings = s3_inbox_settings
-    if not settings.bucket:
-        return dg.SkipReason("no bucket is configured: set ANEX_S3_BUCKET (or the s3_inbox_settings resource)")
-    client = s3.get_client()
-    objects = get_objects(settings.bucket, settings.prefix, client=client)
-    sizes = {obj["Key"]: obj["Size"] for obj in objects}
-
-    def read_sidecar(arrival: Arrival) -> bytes | None:
-        key = arrival.uri.removeprefix(f"s3://{settings.bucket}/") + SIDECAR_SUFFIX
-        if key not in sizes:
-            return None
-        check_options_size(sizes[key], arrival.uri + SIDECAR_SUFFIX)  # before it is downloaded
-        body = client.get_object(Bucket=settings.bucket, Key=key)["Body"]
-        return body.read(MAX_OPTIONS_BYTES + 1)  # rewritten larger since the listing: refused when parsed
-
-    where = f"s3://{settings.bucket}/{settings.prefix}"
-    return take_new(context, bucket_arrivals(objects, settings), settings, read_sidecar, where)
 
 
 class LocalInboxSettings(InboxSettings):
