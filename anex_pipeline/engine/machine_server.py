@@ -38,7 +38,6 @@ that find or stop the server; apart, those would be two copies of the same trust
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -49,7 +48,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -62,6 +60,7 @@ from anex_pipeline.engine.orphans import (
     PID_MAX,
     cmdline_has,
     descendants,
+    dies_with,
     guard_descendants,
     kill_all,
     running,
@@ -77,7 +76,6 @@ POLL_S = 0.5
 DEFAULT_IDLE_S = 600.0
 OTHER_SETTINGS_WAIT_S = 900.0  # how long a step waits for a busy server of other settings
 STATE_MAX_BYTES = 1 << 20
-PR_SET_PDEATHSIG = 1  # prctl option: the signal the calling process gets when its parent ends
 
 
 class UnsafeStateFolder(EngineLoadFailed):
@@ -426,7 +424,7 @@ def supervise(folder: Path, idle_s: float, command: list[str]) -> int:
     """Runs the server until it dies, is told to stop, or has been idle for ``idle_s``."""
     # vLLM's engine processes end with this supervisor, however it ends; its session is its own
     guard_descendants(own_group=True)
-    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_dies_with(os.getpid()))
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=dies_with(os.getpid()))
     stopping = False
 
     def _stop(signum: int, frame: Any) -> None:
@@ -458,20 +456,6 @@ def supervise(folder: Path, idle_s: float, command: list[str]) -> int:
     if not stopping:  # whoever stopped it (a step, machine-server stop) holds the lock and removes the state
         _forget(folder)
     return 0  # the guard then ends the engine processes the server left, sparing the resource tracker
-
-
-def _dies_with(parent: int) -> Callable[[], None]:
-    """What the server's process runs before its program: the kernel SIGKILLs it when ``parent``
-    (the supervisor) ends, even by SIGKILL. The signal reaches that one process only (a child
-    does not inherit it): vLLM's engine processes under it are the guard's."""
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork
-
-    def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the supervisor ended before the call
-            os._exit(1)
-
-    return preexec
 
 
 def _forget(folder: Path) -> None:

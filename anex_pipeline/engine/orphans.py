@@ -30,6 +30,7 @@ of a child still held as a ``Popen``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import select
@@ -37,7 +38,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SCAN_INTERVAL_S = 0.2
@@ -46,6 +47,7 @@ DETACHED = b"anex_pipeline.engine.machine_server"  # the shared model server's s
 PPID, PGRP, START = 1, 2, 19  # fields of /proc/<pid>/stat, counted after the command name
 PIDFD_SIGNAL_PROCESS_GROUP = 4  # pidfd_send_signal flag (Linux 6.9): the group the process leads
 PID_MAX = 1 << 22  # the kernel's largest pid_max
+PR_SET_PDEATHSIG = 1  # prctl option: the signal the calling process gets when its parent ends
 
 _lock = threading.Lock()
 _guard: subprocess.Popen[bytes] | None = None  # held so that Python does not warn of it running on
@@ -186,6 +188,21 @@ def signal_child_group(child: subprocess.Popen[Any], sig: int) -> bool:
     it did."""
     start = None if child.returncode is not None else start_time(child.pid)
     return start is not None and signal_if_same(child.pid, start, sig, group=True)
+
+
+def dies_with(parent: int) -> Callable[[], None]:
+    """What a child of ``parent`` runs before its program (a ``preexec_fn``, or its own first
+    call): the kernel then SIGKILLs it when ``parent`` ends, even by SIGKILL. The signal reaches
+    that one process only (a child of it does not inherit it), and it comes when the thread that
+    started the child ends, so start such a child from a thread that outlives it."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before a fork
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent ended before the call
+            os._exit(1)
+
+    return arm
 
 
 def cmdline_has(pid: int, marker: bytes) -> bool:

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from anex_pipeline.formats import StoredOutcome
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowOutcome
+from anex_pipeline.validate.answers import Constraints
 
 
 class RowCounter(Protocol):
@@ -88,10 +89,12 @@ class Format(ABC):
         model_names: frozenset[str],
         options: JobOptions,
         priority: bool | None = None,
+        constraints: Constraints | None = None,
     ) -> Iterator[Any]:
         """Checks every row in input order; yields each bad row's problems and, for runs of good
         ones, a chunk in the form the shards store (``len(chunk)`` is its number of rows).
-        ``priority``: whether the job's engine schedules rows by priority (None: not known)."""
+        ``priority``: whether the job's engine schedules rows by priority (None: not known).
+        ``constraints`` gets the regexes and grammars the accepted rows ask to be held to."""
 
     @abstractmethod
     def chunk_rows(self, chunk: Any, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:

@@ -23,6 +23,7 @@ from anex_pipeline.formats import StoredOutcome, decode_stored_outcome, jsonl_ch
 from anex_pipeline.formats.base import Format, MergeInput, RowCounter, ShardCheckpoint
 from anex_pipeline.formats.envelope import answered_line
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, Problem, RowOutcome
+from anex_pipeline.validate.answers import Constraints
 
 COPY_BLOCK = 1 << 20
 PARALLEL_MERGE_ROWS = 100_000  # a job this big is merged by one process per core
@@ -47,8 +48,9 @@ class JsonlFormat(Format):
         model_names: frozenset[str],
         options: JobOptions,
         priority: bool | None = None,
+        constraints: Constraints | None = None,
     ) -> Iterator[list[bytes] | Problem]:
-        return jsonl_input.read_chunks(path, endpoint, model_names, options, priority)
+        return jsonl_input.read_chunks(path, endpoint, model_names, options, priority, constraints)
 
     def chunk_rows(self, chunk: list[bytes], endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:
         for line in chunk:

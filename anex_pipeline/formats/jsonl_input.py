@@ -28,7 +28,7 @@ from anex_pipeline.spec import (
 )
 from anex_pipeline.spec import MISSING_PARAMETER as MISSING
 from anex_pipeline.validate import EngineTraits, check_body
-from anex_pipeline.validate.answers import TokenBudget
+from anex_pipeline.validate.answers import Constraints, TokenBudget
 from anex_pipeline.validate.problems import kind_of
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -160,10 +160,12 @@ def read_chunks(
     model_names: frozenset[str],
     options: JobOptions,
     priority: bool | None = None,
+    constraints: Constraints | None = None,
 ) -> Iterator[list[bytes] | Problem]:
     """Checks every line, in file order; yields the problems of bad lines and, for runs of good
     ones, their shard lines (``{"i", "key", "body"}``, the body passed through as written).
     ``priority``: whether the job's engine schedules by priority (see :class:`EngineTraits`).
+    ``constraints`` gets the regexes and grammars of the accepted lines.
 
     A line that looks right is checked on a fast path (one typed decode); any other line takes
     the full path that names its problems. Ids used twice are named after the last line.
@@ -195,6 +197,8 @@ def read_chunks(
                 ids.add(cid, number)
                 if budget is not None:
                     budget.add(body)
+                if constraints is not None:
+                    constraints.add(body, number)
                 chunk.append(_shard_line(index, cid, body_json))
                 index += 1
                 if len(chunk) == CHUNK_ROWS:
@@ -220,6 +224,8 @@ def read_chunks(
             ids.add(value["custom_id"], number)
             if budget is not None:
                 budget.add(value["body"])
+            if constraints is not None:
+                constraints.add(value["body"], number)
             chunk.append(_shard_line(index, value["custom_id"], msgspec.json.encode(value["body"])))
             index += 1
     if chunk:

@@ -18,6 +18,7 @@ from anex_pipeline.formats import StoredOutcome, arrow_checkpoint, parquet_input
 from anex_pipeline.formats.base import Format, MergeInput, RowCounter
 from anex_pipeline.formats.parquet_input import ParquetInputError, chunk_rows, made_ahead, open_input, result_fields
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, JobRejected, Problem, RowOutcome
+from anex_pipeline.validate.answers import Constraints
 
 MERGE_ROWS = 65_536  # input rows per batch, and per row group, of a result file
 TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens")
@@ -46,8 +47,10 @@ class ParquetFormat(Format):
         model_names: frozenset[str],
         options: JobOptions,
         priority: bool | None = None,
+        constraints: Constraints | None = None,
     ) -> Iterator[pa.RecordBatch | Problem]:
-        """A Parquet row has no priority (no job option sets one), so ``priority`` changes nothing."""
+        """A Parquet row has no priority (no job option sets one) and no constraint of its own, so
+        ``priority`` and ``constraints`` change nothing."""
         return parquet_input.read_chunks(path, endpoint, model_names, options)
 
     def chunk_rows(self, chunk: pa.RecordBatch, endpoint: Endpoint, options: JobOptions) -> Iterator[InputRow]:

@@ -133,6 +133,28 @@ def check_structured_outputs(body: dict[str, Any]) -> list[FieldProblem]:
     return []
 
 
+COMPILE_CHECKED = ("regex", "grammar")  # besides their size, their compile time is bounded at submit
+
+
+class Constraints:
+    """The regexes and grammars a job's accepted rows give vLLM to compile, each once with the
+    lines that ask for it; the file readers add each row they accept, and the submit step times
+    their compiles (:mod:`anex_pipeline.engine.constraint_check`)."""
+
+    def __init__(self) -> None:
+        self.lines: dict[tuple[str, str], list[int]] = {}
+
+    def add(self, body: dict[str, Any], line: int) -> None:
+        spec = body.get("structured_outputs")
+        if type(spec) is dict:
+            for kind in COMPILE_CHECKED:
+                if type(text := spec.get(kind)) is str:
+                    self.lines.setdefault((kind, text), []).append(line)
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+
 def check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:
     """A tool_choice generation can be held to: one of the words, or a function the row offers."""
     choice, tools = body.get("tool_choice"), body.get("tools")
