@@ -185,32 +185,45 @@ def test_the_batch_api_gives_the_sdk_logprobs_and_choices(tmp_path: Path, real_r
     assert [c.index for c in three.choices] == [0, 1, 2] and all(c.message.content for c in three.choices)
 
 
-def test_forced_tool_calls_are_generated_as_calls_that_validate(tmp_path: Path, real_runner: JobRunner) -> None:
-    """The embedded model has no tool parser and would answer in text: a forced choice holds its
-    generation to the call's JSON, as vLLM's server does."""
+def test_one_job_of_logprobs_choices_forced_calls_and_a_choice_constraint(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    """Rows asking for different things share one job, and so the engine's batches. Forced tool
+    calls: the embedded model has no tool parser and would answer in text, so a forced choice
+    holds its generation to the call's JSON, as vLLM's server does."""
     import jsonschema
 
     ask = {"tools": [WEATHER, TIME], "max_tokens": 80, "temperature": 0}
     named = {"type": "function", "function": {"name": "get_time"}}
+    colours = ["red", "green", "blue"]
     rows = [
+        chat_row("logprobs", "Name a colour.", max_tokens=12, temperature=0, logprobs=True, top_logprobs=2),
+        chat_row("three", "Invent a word.", max_tokens=10, temperature=1.0, seed=5, n=3),
         chat_row("named", "What is the weather in Paris?", tool_choice=named, **ask),
         chat_row("required", "What is the weather in Paris?", tool_choice="required", **ask),
         chat_row("one", "Weather in Paris and Rome?", tool_choice="required", parallel_tool_calls=False, **ask),
         chat_row("auto", "What is the weather in Paris?", **ask),
+        chat_row("choice", "Pick a colour.", max_tokens=8, temperature=0, structured_outputs={"choice": colours}),
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     assert run_job(real_runner, src, tmp_path / "out.jsonl").status == "completed"
-    got = bodies(tmp_path / "out.jsonl")
-    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    got = {cid: ChatCompletion.model_validate(body) for cid, body in bodies(tmp_path / "out.jsonl").items()}
 
+    logprobs = got["logprobs"]
+    content = logprobs.choices[0].logprobs.content
+    assert logprobs.usage is not None and len(content) == logprobs.usage.completion_tokens > 0
+    assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy: each token its best alternative
+    assert [c.index for c in got["three"].choices] == [0, 1, 2]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for cid in ("named", "required", "one"):
-        message = ChatCompletion.model_validate(got[cid]).choices[0].message
+        message = got[cid].choices[0].message
         assert message.tool_calls, (cid, message)
         for call in message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
-    assert [c["function"]["name"] for c in got["named"]["choices"][0]["message"]["tool_calls"]] == ["get_time"]
-    assert len(got["one"]["choices"][0]["message"]["tool_calls"]) == 1
-    assert got["auto"]["choices"][0]["message"].get("tool_calls") is None  # no parser, nothing forced: text
+    assert [c.function.name for c in got["named"].choices[0].message.tool_calls] == ["get_time"]
+    assert len(got["one"].choices[0].message.tool_calls) == 1
+    assert got["auto"].choices[0].message.tool_calls is None  # no parser, nothing forced: text
+    assert got["choice"].choices[0].message.content in colours
 
 
 def test_structured_outputs_hold_the_answer_and_a_bad_grammar_fails_its_row_alone(
