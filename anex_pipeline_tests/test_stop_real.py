@@ -76,7 +76,8 @@ def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path
 def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path: Path) -> None:
     rows = 60
     served = Served(tmp_path)
-    batch_id = served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(rows)))
+    # the longest rows take 256 engine steps: the batch cannot end before the cancel on a fast machine
+    batch_id = served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(rows, longest=256)))
     seen = {served.wait_for_rows(batch_id, 1)}
     started = time.monotonic()
     while time.monotonic() - started < 4:  # 4 s into generation, watching the counts move

@@ -23,11 +23,16 @@ COMMAND = str(Path(sys.executable).with_name("anex-pipeline"))
 FAKE_CLI = (sys.executable, "-m", "anex_pipeline_tests.harness.fake_cli")
 
 
-def story_rows(n: int, topic: str = "animal") -> list[dict[str, object]]:
-    """Rows that finish at different engine steps (their caps differ), so progress is gradual."""
+def story_rows(n: int, topic: str = "animal", longest: int = 64) -> list[dict[str, object]]:
+    """Rows that finish at different engine steps (their caps differ, 6 to ``longest`` tokens), so
+    progress is gradual."""
     return [
         chat_row(
-            f"r{i}", f"Tell a story about {topic} number {i}.", temperature=0, ignore_eos=True, max_tokens=6 + i % 59
+            f"r{i}",
+            f"Tell a story about {topic} number {i}.",
+            temperature=0,
+            ignore_eos=True,
+            max_tokens=6 + (i % 59) * (longest - 6) // 58,
         )
         for i in range(n)
     ]
