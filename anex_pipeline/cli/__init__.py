@@ -17,6 +17,7 @@ from types import FrameType
 from anex_pipeline.cli.admin_commands import cmd_delete, cmd_list, cmd_machine_server, cmd_prune
 from anex_pipeline.cli.commands import cmd_backfill, cmd_report, cmd_run, cmd_serve, cmd_validate
 from anex_pipeline.cli.parser import build_parser
+from anex_pipeline.engine import collector
 from anex_pipeline.errors import AnexError, ExitCode
 
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
 def entry() -> None:
     """The ``anex-pipeline`` command: :func:`main`, then an exit that skips the interpreter's
     teardown. With torch and vLLM loaded, that teardown takes seconds after everything is
-    written (2.7 s measured on the 2-core build machine); the exit handlers still run.
+    written (2.7 s measured on the 2-core build machine); the exit handlers still run. Python's
+    garbage collector is off in ``run`` and ``backfill`` until the job's engine is in hand
+    (:mod:`anex_pipeline.engine.collector`).
 
     A reader of stdout that goes away early (``anex-pipeline list | head``) ends the command with
     status 1 and no traceback. Ctrl-C outside a job's generation (which stops the job itself, see
@@ -57,12 +60,16 @@ def entry() -> None:
     ends it at once (status 130)."""
     signal.signal(signal.SIGINT, _interrupted)
     sys.unraisablehook = _quiet_interrupts
+    if sys.argv[1:2] in (["run"], ["backfill"]):  # until the job's engine is in hand (see collector)
+        collector.hold_for_start_up()
     try:
         code = main(own_terminal=True)
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
         code = ExitCode.STOPPED
+    finally:
+        collector.end_start_up()
     atexit._run_exitfuncs()
     with contextlib.suppress(OSError):
         sys.stderr.flush()

@@ -13,6 +13,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline import settings
+from anex_pipeline.engine import collector
 from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import engine_for, engine_kind, machine_engine, release_engines
@@ -143,6 +144,8 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
             except Exception as exc:
                 log.info("loading the engine ahead of time failed: %s", exc)
                 return
+            finally:
+                collector.end_start_up()  # the engine is in hand: the command has started
             loaded(time.monotonic() - started)
 
         threading.Thread(target=load, name=thread_name, daemon=True).start()

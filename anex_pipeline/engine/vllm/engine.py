@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from anex_pipeline.engine import collector
 from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
@@ -67,6 +68,10 @@ class VllmLocalEngine(Engine):
     """Runs rows through ``vllm.LLM`` in this process."""
 
     def __init__(self, settings: EngineSettings):
+        with collector.paused():  # vLLM's imports and the build (see collector)
+            self._build(settings)
+
+    def _build(self, settings: EngineSettings) -> None:
         self.settings = settings
         self.model_name = settings.model_name
         on_cpu = _cpu_build()
@@ -311,10 +316,11 @@ def _prefix_cache(llm: Any) -> PrefixCache | None:
 def configure_vllm_logging() -> None:
     """Applies vLLM's default logging set-up in this process now, on the calling thread; the
     engines built later find it done and leave Python's logging alone."""
-    from vllm.config.logging import LoggingConfig
-    from vllm.logger import configure_logging_if_needed
+    with collector.paused():  # the first import of vLLM, most often (see collector)
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
 
-    configure_logging_if_needed(LoggingConfig())
+        configure_logging_if_needed(LoggingConfig())
 
 
 def _cpu_build() -> bool:
