@@ -62,11 +62,11 @@ def test_ctrl_c_stops_a_real_run_within_seconds_and_the_rerun_resumes(tmp_path: 
 
 @pytest.mark.subprocess
 def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path) -> None:
-    served = Served(tmp_path)
-    served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(4)))
-    served.err.wait_for(r"loading .* into vLLM", timeout=120)
-    took = served.terminate(timeout=15)
-    stderr = served.err.rest()
+    with Served(tmp_path) as served:
+        served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(4)))
+        served.err.wait_for(r"loading .* into vLLM", timeout=120)
+        took = served.terminate(timeout=15)
+        stderr = served.err.rest()
     assert took < 15, f"serve took {took:.1f} s to end"
     assert served.process.returncode == 0 and "serve: ended on SIGTERM" in stderr, stderr
     assert "Traceback" not in own_lines(stderr), stderr
@@ -75,36 +75,36 @@ def test_sigterm_ends_serve_within_seconds_while_its_engine_loads(tmp_path: Path
 @pytest.mark.subprocess
 def test_cancel_stops_a_real_batch_within_seconds_and_answers_every_row(tmp_path: Path) -> None:
     rows = 60
-    served = Served(tmp_path)
-    # the longest rows take 256 engine steps: the batch cannot end before the cancel on a fast machine
-    batch_id = served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(rows, longest=256)))
-    seen = {served.wait_for_rows(batch_id, 1)}
-    started = time.monotonic()
-    while time.monotonic() - started < 4:  # 4 s into generation, watching the counts move
-        seen.add(served.completed(batch_id))
-        time.sleep(0.1)
-    served.sdk.batches.cancel(batch_id)
-    asked = time.monotonic()
-    while (batch := served.sdk.batches.retrieve(batch_id)).status != "cancelled":
-        assert time.monotonic() - asked < 20, f"still {batch.status} 20 s after the cancel"
-        time.sleep(0.1)
-    assert len(seen) > 1, "request_counts followed the rows as they finished"
-    counts = batch.request_counts
-    assert counts is not None and counts.total == rows
-    output = [json.loads(x) for x in served.sdk.files.content(batch.output_file_id).text.splitlines()]
-    errors = [json.loads(x) for x in served.sdk.files.content(batch.error_file_id).text.splitlines()]
-    assert 0 < counts.completed == len(output) < rows
-    assert counts.failed == len(errors) == rows - len(output)
-    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    ids = [r["custom_id"] for r in output] + [e["custom_id"] for e in errors]
-    assert sorted(ids, key=lambda c: int(c[1:])) == [f"r{i}" for i in range(rows)]
-    assert [e["custom_id"] for e in errors] == sorted((e["custom_id"] for e in errors), key=lambda c: int(c[1:]))
+    with Served(tmp_path) as served:
+        # the longest rows take 256 engine steps: the batch cannot end before the cancel on a fast machine
+        batch_id = served.submit(write_jsonl(tmp_path / "in.jsonl", story_rows(rows, longest=256)))
+        seen = {served.wait_for_rows(batch_id, 1)}
+        started = time.monotonic()
+        while time.monotonic() - started < 4:  # 4 s into generation, watching the counts move
+            seen.add(served.completed(batch_id))
+            time.sleep(0.1)
+        served.sdk.batches.cancel(batch_id)
+        asked = time.monotonic()
+        while (batch := served.sdk.batches.retrieve(batch_id)).status != "cancelled":
+            assert time.monotonic() - asked < 20, f"still {batch.status} 20 s after the cancel"
+            time.sleep(0.1)
+        assert len(seen) > 1, "request_counts followed the rows as they finished"
+        counts = batch.request_counts
+        assert counts is not None and counts.total == rows
+        output = [json.loads(x) for x in served.sdk.files.content(batch.output_file_id).text.splitlines()]
+        errors = [json.loads(x) for x in served.sdk.files.content(batch.error_file_id).text.splitlines()]
+        assert 0 < counts.completed == len(output) < rows
+        assert counts.failed == len(errors) == rows - len(output)
+        assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+        ids = [r["custom_id"] for r in output] + [e["custom_id"] for e in errors]
+        assert sorted(ids, key=lambda c: int(c[1:])) == [f"r{i}" for i in range(rows)]
+        assert [e["custom_id"] for e in errors] == sorted((e["custom_id"] for e in errors), key=lambda c: int(c[1:]))
 
-    # SIGTERM while a batch generates: serve stops it at once and ends.
-    second = served.submit(write_jsonl(tmp_path / "more.jsonl", story_rows(rows, topic="river")))
-    served.wait_for_rows(second, 1)
-    took = served.terminate(timeout=15)
-    stderr = served.err.rest()
-    assert took < 15, f"serve took {took:.1f} s to end"
-    assert served.process.returncode == 0 and "serve: ended on SIGTERM" in stderr, stderr
+        # SIGTERM while a batch generates: serve stops it at once and ends.
+        second = served.submit(write_jsonl(tmp_path / "more.jsonl", story_rows(rows, topic="river")))
+        served.wait_for_rows(second, 1)
+        took = served.terminate(timeout=15)
+        stderr = served.err.rest()
+        assert took < 15, f"serve took {took:.1f} s to end"
+        assert served.process.returncode == 0 and "serve: ended on SIGTERM" in stderr, stderr
     assert "Traceback" not in own_lines(stderr), stderr

@@ -106,7 +106,8 @@ KEY = "sk-stop-test"
 
 class Served:
     """``anex-pipeline serve`` (with ``serve_args`` and ``env`` added) in its own process group,
-    and an SDK client for it."""
+    and an SDK client for it. As a context manager, it kills the group on the way out if it is
+    still running (a failed test must not leave a server and its engine behind)."""
 
     def __init__(self, tmp_path: Path, *serve_args: str, **env: str):
         from openai import OpenAI
@@ -147,6 +148,14 @@ class Served:
             assert time.monotonic() < deadline, "no rows finished"
             time.sleep(0.1)
         return done
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            signal_child_group(self.process, signal.SIGKILL)
+            self.process.wait(timeout=30)
 
     def terminate(self, timeout: float) -> float:
         """SIGTERM to the whole process group; returns how long the process took to end."""
