@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pyarrow as pa
@@ -267,3 +268,31 @@ def test_report_and_metadata_show_output_length_percentiles(tmp_path: Path, inst
     events = instance.fetch_materializations(dg.AssetKey("merged_result"), limit=1).records
     table = events[0].asset_materialization.metadata["output_lengths"].value
     assert table.startswith("| p50 | p90 | p95 | p99 | max |")
+
+
+def test_a_row_of_several_answers_is_sampled_for_one_and_never_reused(tmp_path: Path, fake_runner: JobRunner) -> None:
+    """The estimate bounds one answer's length: a row asking for three choices (or, on completions,
+    answers to a list of prompts) is sampled for its first answer alone, whose usage is one
+    answer's, and that answer is not the row's, so no shard takes it."""
+    from anex_pipeline.testing import FakeEngine
+    from anex_pipeline.validate.answers import answers_asked
+
+    class CountsEveryAnswer(FakeEngine):
+        """Usage as vLLM gives it: every choice's tokens added up."""
+
+        def _one(self, req: Any) -> Any:
+            outcome = super()._one(req)
+            outcome.usage["completion_tokens"] *= answers_asked(req.body)
+            asked.append(answers_asked(req.body))
+            return outcome
+
+    asked: list[int] = []
+    rows = [chat_row(f"n{i}", f"question {i}", n=3, temperature=0.8) for i in range(10)]
+    rows += [chat_row(f"o{i}", f"question {i}") for i in range(10)]
+    job = fake_runner.submit(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "o.jsonl"), {})
+    estimate, stats = estimate_lengths(job, lambda: CountsEveryAnswer(), cap=100)
+    assert asked == [1] * 20 and estimate.sample_size == 20
+    reusable = read_jsonl(job.sample_path)
+    assert sorted(r["key"] for r in reusable) == [f"o{i}" for i in range(10)]
+    one_answer = max(r["usage"]["completion_tokens"] for r in reusable)  # the same words for n-rows
+    assert stats["sample_max"] == one_answer, "a row's three answers were counted as one"

@@ -3,12 +3,15 @@ the same settings as the real run with a generous cap, and the cap in force beco
 confidence bound on the 95th percentile of the sample's lengths. For a model that thinks, the
 thinking budget is bounded the same way from the sample's thinking-token counts.
 
-Sample answers that finished under the chosen cap are exactly what the real run would produce,
-so the shards reuse them instead of generating those rows again.
+Each length is one answer's, as the cap bounds each answer: a row asking for several (``n``
+choices, or a list of prompts on completions) is sampled for its first alone. Sample answers of
+single-answer rows that finished under the chosen cap are exactly what the real run would
+produce, so the shards reuse them instead of generating those rows again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -23,6 +26,7 @@ from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.fetch_media import attach_media
 from anex_pipeline.stopping import StopCheck
+from anex_pipeline.validate.answers import answers_asked, several_prompts
 from anex_pipeline.validate.numbers import UNCAPPED_ROW_TOKENS
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
 
@@ -109,8 +113,18 @@ def _sample_and_bound(
     sample.sort(key=lambda r: r.index)
     sample, _ = attach_media(sample, options.media)  # rows whose media fail stay out of the sample
     sample_cap = cap if cap is not None else options.max_tokens
+    # A row of several answers (n, or a list of prompts) is sampled for one, its first: the cap
+    # bounds each answer, and the row's usage would count them all. That answer is not the row's.
+    several = {r.index for r in sample if answers_asked(r.body) > 1}
     requests = [
-        resolve_request(r, manifest.job_id, manifest.endpoint, options, sample_cap, options.reasoning_budget)
+        resolve_request(
+            _one_answer(r) if r.index in several else r,
+            manifest.job_id,
+            manifest.endpoint,
+            options,
+            sample_cap,
+            options.reasoning_budget,
+        )
         for r in sample
     ]
     started = time.monotonic()
@@ -118,7 +132,7 @@ def _sample_and_bound(
     stop()  # before the engine loads
     outcomes = run_checked(engine_for(), requests, stop)
     seconds = time.monotonic() - started
-    append_outcomes(job.sample_path, outcomes)
+    append_outcomes(job.sample_path, [o for o in outcomes if o.index not in several])  # the ones shards may reuse
     done = [o for o in outcomes if o.ok]
     stats: dict[str, float] = {"sample_rows": len(sample), "sample_seconds": round(seconds, 3)}
     report = EstimateReport(sample_size=len(sample))
@@ -144,6 +158,15 @@ def _sample_and_bound(
             stats.update({"sample_thinking_max": max(thinking), "sample_thinking_rows": len(thinking)})
     report.method = "; ".join(methods)
     return report, stats
+
+
+def _one_answer(row: InputRow) -> InputRow:
+    """The row asking for its first answer alone: one choice (choice 0 is sampled with the row's
+    own seed) of its first prompt."""
+    body = {**row.body, "n": 1}
+    if several_prompts(body.get("prompt")):
+        body["prompt"] = body["prompt"][0]
+    return dataclasses.replace(row, body=body)
 
 
 def _bound(lengths: list[int], cut: int, cap: int | None, too_few: str) -> tuple[int | None, str]:

@@ -210,6 +210,18 @@ def check_choices(body: dict[str, Any]) -> list[FieldProblem]:
     return [FieldProblem("body.n", message)]
 
 
+def several_prompts(prompt: Any) -> bool:
+    """Whether a completions ``prompt`` is a list of prompts (texts or token-id lists), not one."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def answers_asked(body: dict[str, Any]) -> int:
+    """The answers a row asks for, each under its cap: its choices (``n``), times its prompts on
+    completions."""
+    n = body.get("n")
+    return (n if type(n) is int else 1) * (len(body["prompt"]) if several_prompts(body.get("prompt")) else 1)
+
+
 class TokenBudget:
     """The output tokens a job's accepted rows ask for together, against its budget (the job's
     ``max_job_tokens``, or MAX_JOB_TOKENS). A row asks for its choices (``n``, times its prompts
@@ -222,12 +234,9 @@ class TokenBudget:
         self.asked = 0
 
     def add(self, body: dict[str, Any]) -> None:
-        n = body.get("n")
-        prompt = body.get("prompt")
-        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         caps = (body.get(name) for name in (*CAP_FIELDS, "max_output_tokens"))
         cap = next((c for c in caps if type(c) is int), self.job_cap)
-        self.asked += (n if type(n) is int else 1) * prompts * cap
+        self.asked += answers_asked(body) * cap
 
     def add_plain(self, rows: int) -> None:
         """Rows of one choice each under the job's cap (a Parquet file's prompts)."""
