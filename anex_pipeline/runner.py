@@ -180,7 +180,11 @@ class JobRunner:
         except StepFailed as exc:
             if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
                 job.record_stop(str(exc))
-        self._execute("finish_job", job.job_id)
+        try:
+            self._execute("finish_job", job.job_id)
+        except _Interrupted:  # a Ctrl-C while the result was merged: merged again, as a stopped job's is
+            request_stop(job, f"{USER_STOP} (interrupted)")
+            self._execute("finish_job", job.job_id)
         report = job.report()
         assert report is not None  # finish_job succeeded, so its merge wrote the report
         return report

@@ -69,8 +69,12 @@ def wait_gone(family: dict[int, int], within_s: float) -> list[int]:
 def test_a_tensor_parallel_engine_stops_on_ctrl_c_and_leaves_nothing_when_killed(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny")
     # Rows of growing lengths finish one after another (rows that run together and are equally
-    # long would all finish at once, leaving nothing to stop once the first has finished).
-    rows = [chat_row(f"r{i}", f"Count ({i}).", max_tokens=16 + i, temperature=0, ignore_eos=True) for i in range(400)]
+    # long would all finish at once, leaving nothing to stop once the first has finished). The
+    # longest take 1,612 engine steps: on a fast machine 400 rows of up to 415 were done before
+    # the signal came.
+    rows = [
+        chat_row(f"r{i}", f"Count ({i}).", max_tokens=16 + 4 * i, temperature=0, ignore_eos=True) for i in range(400)
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     for n, ends in enumerate(["stop", "kill"]):
         folder = tmp_path / f"run{n}"

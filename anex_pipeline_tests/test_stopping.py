@@ -292,3 +292,28 @@ def test_a_second_signal_quits_at_once(tmp_path: Path) -> None:
     assert done.returncode == 130, done.stderr
     assert done.stderr.splitlines()[0].startswith("[anex] stopping:") and "Traceback" not in done.stderr
     assert "cancelled by the user (SIGINT)" in (tmp_path / "in-0123456789" / "stop.json").read_text()
+
+
+def test_a_ctrl_c_while_the_result_is_merged_merges_it_again_as_a_stopped_jobs(
+    tmp_path: Path, fake_runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row is done when the Ctrl-C lands in the last step: the command still ends with the
+    job's report (no traceback) and the result published; with no row left to stop, the job
+    completed."""
+    from anex_pipeline import runner as runner_module
+
+    real = JobRunner._execute
+    interrupted: list[str] = []
+
+    def execute(self: JobRunner, job_name: str, partition_key: str) -> None:
+        if job_name == "finish_job" and not interrupted:
+            interrupted.append(partition_key)
+            raise runner_module._Interrupted()
+        real(self, job_name, partition_key)
+
+    monkeypatch.setattr(JobRunner, "_execute", execute)
+    out = tmp_path / "out.jsonl"
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_row(f"r{i}", f"question {i}") for i in range(4)])
+    report = fake_runner.run(fake_runner.submit(str(src), str(out), {}))
+    assert interrupted and report.status == "completed" and report.request_counts.completed == 4
+    assert len(out.read_text().splitlines()) == 4
