@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
     messages go to a log file unless ``--verbose``; called from Python, stderr is left alone."""
     args = build_parser().parse_args(argv)
     args.own_terminal = own_terminal
+    if own_terminal and args.command in ("run", "backfill"):  # until the job's engine is in hand (see collector)
+        collector.hold_for_start_up()
     handlers = {
         "run": cmd_run,
         "validate": cmd_validate,
@@ -60,8 +62,6 @@ def entry() -> None:
     ends it at once (status 130)."""
     signal.signal(signal.SIGINT, _interrupted)
     sys.unraisablehook = _quiet_interrupts
-    if sys.argv[1:2] in (["run"], ["backfill"]):  # until the job's engine is in hand (see collector)
-        collector.hold_for_start_up()
     try:
         code = main(own_terminal=True)
         sys.stdout.flush()
