@@ -37,10 +37,10 @@ from anex_pipeline.batches.objects import BatchRecord, FileRecord
 from anex_pipeline.batches.store import Store
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.orchestration.partitions import JOBS, forget_job, shard_keys_on
-from anex_pipeline.orchestration.runs import IN_FLIGHT, LAUNCHED_BY_TAG, job_of_run, runs_of_job
+from anex_pipeline.orchestration.runs import IN_FLIGHT, held_by_lease, job_of_run, runs_of_job
 from anex_pipeline.stages.generate_answer_store import drop_answers
 from anex_pipeline.workdir import layout
-from anex_pipeline.workdir.lease import driven_by_cli, try_lease
+from anex_pipeline.workdir.lease import lease_held, try_lease
 from anex_pipeline.workdir.manifest import JobDir
 
 log = logging.getLogger(__name__)
@@ -123,14 +123,14 @@ def last_activity(root: Path) -> float:
 
 
 def in_flight_jobs(instance: dg.DagsterInstance) -> set[str]:
-    """Jobs with a run queued or running that no ``anex-pipeline`` process drives (those hold the
-    lease instead: a CLI run whose process died stays "started" in the instance for good)."""
+    """Jobs with a run queued or running that no process holding the job's lease executes (the
+    lease tells about those: such a run whose process died stays "started" in the instance)."""
     runs = instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT))
-    return {job for run in runs if run.tags.get(LAUNCHED_BY_TAG) != "cli" and (job := job_of_run(run))}
+    return {job for run in runs if not held_by_lease(run) and (job := job_of_run(run))}
 
 
 def job_status(job: JobDir, in_flight: set[str]) -> str:
-    if job.job_id in in_flight or driven_by_cli(job):
+    if job.job_id in in_flight or lease_held(job):
         return "running"
     report = job.report()
     return report.status if report is not None else "unfinished"

@@ -23,7 +23,7 @@ from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import job_shard_key, register_job
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, step_error_message
+from anex_pipeline.orchestration.runs import CLI_RUN, LAUNCHED_BY_TAG, first_step_error, step_error_message
 from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
@@ -222,11 +222,11 @@ class JobRunner:
             instance=self.instance,
             partition_key=partition_key,
             run_config={"loggers": QUIET_LOGGERS},
-            tags={LAUNCHED_BY_TAG: "cli"},
+            tags={LAUNCHED_BY_TAG: CLI_RUN},
             raise_on_error=False,
         )
         if not result.success:
-            error = _first_error(result)
+            error = first_step_error(result)
             if error is not None and error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
                 raise _Interrupted()
             raise StepFailed(step_error_message(error) if error else f"{job_name} failed for {partition_key}")
@@ -247,10 +247,3 @@ def _safe_for_threads(instance: dg.DagsterInstance) -> dg.DagsterInstance:
 
 def _uses_s3(*locations: str | None) -> bool:
     return any(is_s3(where) for where in locations if where)
-
-
-def _first_error(result: dg.ExecuteInProcessResult) -> Any:
-    for event in result.all_events:
-        if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            return event.step_failure_data.error
-    return None

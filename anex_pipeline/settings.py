@@ -56,6 +56,11 @@ RAY_HEALTH_CHECK_S = Setting(
 )
 ENGINE_BASE_URL = Setting("ANEX_ENGINE_BASE_URL", "", "An OpenAI-compatible server to generate on instead of vLLM.")
 API_KEY = Setting("ANEX_API_KEY", "", "The API key the HTTP engine sends to its server.")
+CARRY_ON_SHARDS = Setting(
+    "ANEX_CARRY_ON_SHARDS",
+    "1",
+    "A job of at most this many shards runs its later steps in its submit run's process; 0: job_driver starts each.",
+)
 DRIVER_INTERVAL_S = Setting("ANEX_DRIVER_INTERVAL_S", "5", "Seconds between two ticks of the job_driver sensor.")
 RETRY_LIMIT = Setting("ANEX_RETRY_LIMIT", "3", "Reruns of one shard by the retry_failed_rows schedule, per submission.")
 RETRY_CRON = Setting("ANEX_RETRY_CRON", "0 * * * *", "When the retry_failed_rows schedule runs.")

@@ -378,8 +378,7 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
 ) -> None:
     from anex_pipeline.orchestration.definitions import build_definitions
     from anex_pipeline.orchestration.partitions import JOBS
-    from anex_pipeline.orchestration.runs import step_error_message
-    from anex_pipeline.runner import _first_error
+    from anex_pipeline.orchestration.runs import first_step_error, step_error_message
 
     src = write_jsonl(tmp_path / "in.jsonl", rows(2))
     defs = build_definitions(StorageResource(work_root=str(tmp_path / "w")), testing.fake_engine(base_url=base_url))
@@ -393,7 +392,7 @@ def test_submit_job_in_dagster_fails_for_an_absent_model_unless_a_server_runs_it
     )
     assert result.success == (base_url is not None)
     if base_url is None:
-        assert ABSENT in step_error_message(_first_error(result))
+        assert ABSENT in step_error_message(first_step_error(result))
 
 
 @pytest.mark.engine

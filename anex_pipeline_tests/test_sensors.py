@@ -24,7 +24,7 @@ from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.inboxes import S3InboxSettings
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.retries import RetrySettings
-from anex_pipeline.orchestration.runs import LAUNCHED_BY_TAG, PARTITION_TAG
+from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline_tests.harness.commands import FAKE_CLI
@@ -243,7 +243,12 @@ def test_local_inbox_file_to_result_in_the_outbox(tmp_path: Path, instance: dg.D
         }
     ]
     deployment.execute(data.run_requests[0])
-    assert len(deployment.drive()) == 2  # shards, then finish: max_tokens is set, so no estimate run
+    # One shard: the submit run went on with the shard and the finish (max_tokens is set, so no
+    # estimate run), each a run of its own; the driver has nothing left to start.
+    carried = instance.get_runs(filters=dg.RunsFilter(tags={LAUNCHED_BY_TAG: CARRIED_RUN}))
+    assert sorted(r.job_name for r in carried) == ["finish_job", "shard_job"]
+    assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in carried)
+    assert deployment.drive() == []
     assert not deployment.tick("local_inbox").run_requests
 
     table = pq.read_table(tmp_path / "outbox" / "team" / "chat.results.parquet").to_pylist()
@@ -469,7 +474,7 @@ def test_driver_leaves_a_job_to_the_cli_that_runs_it_and_takes_over_when_it_dies
             cli_runs = instance.get_runs(filters=dg.RunsFilter(tags={LAUNCHED_BY_TAG: "cli"}))
             assert {r.job_name for r in cli_runs} == {"submit_job", "shard_job"}  # rows set max_tokens: no estimate
             data = deployment.tick("job_driver")
-            assert not data.run_requests and "being run by anex-pipeline" in data.skip_message
+            assert not data.run_requests and "run by anex-pipeline" in data.skip_message
         finally:
             cli.kill()  # the CLI dies mid-shard: its run stays "started", its lease goes with it
             cli.wait(timeout=30)

@@ -30,7 +30,7 @@ from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, JobReport
 from anex_pipeline.testing import fake_engine
 from anex_pipeline.workdir import layout
-from anex_pipeline.workdir.lease import driven_by_cli, take_lease, try_lease
+from anex_pipeline.workdir.lease import lease_held, take_lease, try_lease
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.batch_api import client, serving, submit, wait_for_rows
 from anex_pipeline_tests.harness.cli_jobs import DAY, anex, make_old, partitions_of, run_cli_job
@@ -353,7 +353,7 @@ def test_a_lease_taken_while_the_job_is_deleted_is_on_the_new_folder(tmp_path: P
     finally:
         progress.removeHandler(notice)
     (lease,) = taken
-    assert driven_by_cli(job), "the lease taken is on a file that no longer exists"
+    assert lease_held(job), "the lease taken is on a file that no longer exists"
     lease.close()  # type: ignore[attr-defined]
 
 

@@ -17,7 +17,7 @@ from anex_pipeline.orchestration.jobs import estimate_job, finish_job, shard_job
 from anex_pipeline.orchestration.partitions import CHUNK, job_shard_key, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.orchestration.runs import JobProgress, ShardFailure, job_progress, shard_failures
-from anex_pipeline.workdir.lease import driven_by_cli
+from anex_pipeline.workdir.lease import lease_held
 from anex_pipeline.workdir.manifest import JobDir
 
 
@@ -89,7 +89,7 @@ def job_driver() -> dg.SensorDefinition:
 
 def drive_jobs(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult | dg.SkipReason:
     requests: list[dg.RunRequest] = []
-    unknown, by_cli = [], []
+    unknown, held = [], []
     for p in job_progress(context.instance):
         if p.busy:
             continue
@@ -103,13 +103,13 @@ def drive_jobs(context: dg.SensorEvaluationContext, storage: StorageResource) ->
         steps = next_steps(p, count, failures)
         if not steps and not (p.finished and job.stop_path.exists()):
             continue
-        if driven_by_cli(job):
-            by_cli.append(p.job_id)
+        if lease_held(job):
+            held.append(p.job_id)
             continue
-        if p.cli_runs:
+        if p.leased_runs:
             context.log.warning(
-                f"job {p.job_id}: run(s) {', '.join(p.cli_runs)} of an anex-pipeline process that has ended "
-                "are not running any more; the driver carries on"
+                f"job {p.job_id}: run(s) {', '.join(p.leased_runs)} of a process that has ended (anex-pipeline, "
+                "or a submit run carrying its job on) are not running any more; the driver carries on"
             )
         if not steps:
             # The job is published and its report keeps the reason it stopped: later reruns of its
@@ -126,8 +126,8 @@ def drive_jobs(context: dg.SensorEvaluationContext, storage: StorageResource) ->
             f"(e.g. {unknown[0]}); they were submitted with another work_root"
         )
     if not requests:
-        held = f"; {len(by_cli)} job(s) are being run by anex-pipeline (e.g. {by_cli[0]})" if by_cli else ""
-        return dg.SkipReason(f"nothing to start: every job is finished or running{held}")
+        busy = f"; {len(held)} job(s) are run by anex-pipeline or their submit run (e.g. {held[0]})" if held else ""
+        return dg.SkipReason(f"nothing to start: every job is finished or running{busy}")
     # A job prepared before its shards had keys of their own gets them with its shard runs (the
     # instance adds only the keys it lacks).
     keys = [str(r.partition_key) for r in requests if r.job_name == shard_job.name]

@@ -12,11 +12,14 @@ from anex_pipeline.orchestration.assets import (
     result_file,
     validated_input,
 )
+from anex_pipeline.orchestration.carry_on import carry_on
 
 submit_job = dg.define_asset_job(
     "submit_job",
     selection=[validated_input],
-    description="Step 1: check an input file and split it into shards (set input/output in the config).",
+    description="Step 1: check an input file and split it into shards (set input/output in the config). "
+    "A one-shard job then runs its other steps in this run.",
+    hooks={carry_on},
 )
 estimate_job = dg.define_asset_job(
     "estimate_job",

@@ -11,7 +11,7 @@ from anex_pipeline.orchestration.jobs import shard_job
 from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 from anex_pipeline.orchestration.runs import PARTITION_TAG, RETRY_TAG, JobProgress, job_progress
-from anex_pipeline.workdir.lease import driven_by_cli
+from anex_pipeline.workdir.lease import lease_held
 from anex_pipeline.workdir.manifest import unfinished_shards
 
 
@@ -63,7 +63,7 @@ def retry_requests(
         if report is None:
             continue
         counts = report.request_counts
-        if counts.completed >= counts.total or driven_by_cli(job):
+        if counts.completed >= counts.total or lease_held(job):
             continue
         for shard in unfinished_shards(job):
             attempt = retry_attempts(context.instance, p, shard) + 1

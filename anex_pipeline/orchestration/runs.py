@@ -5,7 +5,7 @@ retention all read the instance through here."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,9 @@ IN_FLIGHT = [
 PARTITION_TAG = "dagster/partition"
 
 
-LAUNCHED_BY_TAG = "anex/launched_by"  # "cli" on the runs of `anex-pipeline run` and `backfill`
+LAUNCHED_BY_TAG = "anex/launched_by"  # on the runs a process executes itself while it holds the job's lease:
+CLI_RUN = "cli"  # the runs of `anex-pipeline run`, `backfill` and the Batch API
+CARRIED_RUN = "submit_run"  # the later steps of a small job, run by its submit run (orchestration/carry_on.py)
 
 
 RETRY_TAG = "anex/retry_of_submission"  # on retry runs: the storage id of the submission they retry
@@ -43,7 +45,7 @@ class JobProgress:
     shards: dict[int, int] = field(default_factory=dict)
     finished: int = 0
     busy: bool = False  # a run for this job is queued or running (not counting CLI runs)
-    cli_runs: list[str] = field(default_factory=list)  # ids of CLI runs of this job not marked ended
+    leased_runs: list[str] = field(default_factory=list)  # ids of its runs held by a lease, not marked ended
 
 
 def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
@@ -67,11 +69,17 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         job_id = job_of_run(run)
         if job_id not in jobs:
             continue
-        if run.tags.get(LAUNCHED_BY_TAG) == "cli":  # live only while its process holds the lease
-            jobs[job_id].cli_runs.append(run.run_id)
+        if held_by_lease(run):
+            jobs[job_id].leased_runs.append(run.run_id)
         else:
             jobs[job_id].busy = True
     return list(jobs.values())
+
+
+def held_by_lease(run: dg.DagsterRun) -> bool:
+    """Whether a run is live only while its process holds its job's lease: its process executes
+    it in-process, and a process that dies leaves it "started" in the instance for good."""
+    return run.tags.get(LAUNCHED_BY_TAG) in (CLI_RUN, CARRIED_RUN)
 
 
 def job_of_run(run: dg.DagsterRun) -> str | None:
@@ -85,11 +93,17 @@ def runs_of_partitions(
 ) -> list[dg.DagsterRun]:
     """The runs of any of these partition keys, newest first (asked in chunks: a job may have
     thousands of shards)."""
+    return [r.dagster_run for r in _run_records_of_partitions(instance, keys, job_name, statuses)]
+
+
+def _run_records_of_partitions(
+    instance: dg.DagsterInstance, keys: Sequence[str], job_name: str | None, statuses: Sequence[Any]
+) -> list[dg.RunRecord]:
     records = []
     for n in range(0, len(keys), CHUNK):
         tags = {PARTITION_TAG: list(keys[n : n + CHUNK])}
         records += instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=list(statuses), tags=tags))
-    return [r.dagster_run for r in sorted(records, key=lambda r: r.create_timestamp, reverse=True)]
+    return sorted(records, key=lambda r: r.create_timestamp, reverse=True)
 
 
 def runs_of_job(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> list[dg.DagsterRun]:
@@ -99,7 +113,8 @@ def runs_of_job(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> 
 
 @dataclass(frozen=True)
 class ShardFailure:
-    """The last failed run of a shard: when it failed (a storage id) and why."""
+    """The last failed run of a shard: when it failed (the storage id of its end, comparable with
+    those of the materializations in :class:`JobProgress`) and why."""
 
     storage_id: int
     reason: str
@@ -107,20 +122,44 @@ class ShardFailure:
 
 def shard_failures(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> dict[int, ShardFailure]:
     """The latest failed ``shard_job`` run of each shard of a job; its step retries are spent."""
-    runs = runs_of_partitions(
-        instance, shard_keys(job_id, shard_count), job_name=shard_job.name, statuses=[dg.DagsterRunStatus.FAILURE]
+    records = _run_records_of_partitions(
+        instance, shard_keys(job_id, shard_count), shard_job.name, [dg.DagsterRunStatus.FAILURE]
     )
+    latest: dict[int, dg.RunRecord] = {}
+    for record in records:  # newest first
+        latest.setdefault(split_shard_key(record.dagster_run.tags[PARTITION_TAG])[1], record)
+    ended = _run_failure_ids(instance, latest.values())
     failures: dict[int, ShardFailure] = {}
-    for run in runs:  # newest first
-        shard = split_shard_key(run.tags[PARTITION_TAG])[1]
-        if shard in failures:
-            continue
-        records = instance.get_records_for_run(
-            run.run_id, of_type={dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}
+    for shard, record in latest.items():
+        run_id = record.dagster_run.run_id
+        events = instance.get_records_for_run(
+            run_id, of_type={dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}
         ).records
-        if records:
-            failures[shard] = ShardFailure(records[-1].storage_id, _failure_reason(records))
+        if run_id in ended and events:
+            failures[shard] = ShardFailure(ended[run_id], _failure_reason(events))
     return failures
+
+
+def _run_failure_ids(instance: dg.DagsterInstance, records: Collection[dg.RunRecord]) -> dict[str, int]:
+    """The storage id of each of these failed runs' RUN_FAILURE event, as the instance's index
+    numbers it. A run's own events are numbered apart on SQLite (one database per run), so those
+    ids cannot be set against a materialization's; the index holds both run ends and
+    materializations, and numbers them in one sequence (on PostgreSQL all events are in one table)."""
+    wanted = {r.dagster_run.run_id for r in records}
+    if not wanted:
+        return {}
+    since = min(r.create_timestamp for r in records).timestamp()
+    event_filter = dg.RunStatusChangeRecordsFilter(
+        event_type=dg.DagsterEventType.RUN_FAILURE, job_names=[shard_job.name], after_timestamp=since - 1
+    )
+    found: dict[str, int] = {}
+    cursor = None
+    while True:
+        page = instance.fetch_run_status_changes(event_filter, limit=1000, cursor=cursor, ascending=True)
+        found |= {r.run_id: r.storage_id for r in page.records if r.run_id in wanted}
+        if not page.has_more:
+            return found
+        cursor = page.cursor
 
 
 def _failure_reason(records: Sequence[dg.EventLogRecord]) -> str:
@@ -133,14 +172,25 @@ def _failure_reason(records: Sequence[dg.EventLogRecord]) -> str:
     return event.message if event and event.message else "the run failed"
 
 
+def first_step_error(result: dg.ExecuteInProcessResult) -> Any:
+    """The error of the first step that failed in an in-process run, or None."""
+    for event in result.all_events:
+        if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
+            return event.step_failure_data.error
+    return None
+
+
 def step_error_message(error: Any) -> str:
     """The first error in a chain that is not Dagster's own wrapper: a step error
     (``dagster._core.errors...``) or, once a step's retries are spent, "Exceeded max_retries".
-    An error of this package is told by its message alone: its messages are written for users."""
+    An error of this package, or a ``dg.Failure`` a step raised, is told by its message alone: its
+    messages are written for users."""
     while error.cause is not None and (
         error.message.startswith("dagster.") or error.cls_name == "RetryRequestedFromPolicy"
     ):
         error = error.cause
     message = error.message.strip()
-    own = re.match(rf"anex_pipeline(\.\w+)*\.{re.escape(error.cls_name or '')}: ", message)
+    own = re.match(
+        rf"(anex_pipeline(\.\w+)*|dagster\._core\.definitions\.events)\.{re.escape(error.cls_name or '')}: ", message
+    )
     return message[own.end() :] if own else message

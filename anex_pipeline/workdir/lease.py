@@ -67,7 +67,7 @@ def _still_in_place(lease: IO[bytes], job: JobDir) -> bool:
     return (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino)
 
 
-def driven_by_cli(job: JobDir) -> bool:
+def lease_held(job: JobDir) -> bool:
     """True while a live process holds the job's lease (a lease file left by a dead one is free)."""
     try:
         lease = job.lease_path.open("rb")
