@@ -21,7 +21,7 @@ from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.options import MAX_OPTIONS_BYTES
 from anex_pipeline.orchestration.definitions import build_definitions, defs
-from anex_pipeline.orchestration.inboxes import S3InboxSettings
+from anex_pipeline.orchestration.inboxes import MAX_SETTLE_WAIT_S, S3InboxSettings, folder_arrivals
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.retries import RetrySettings
 from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
@@ -311,6 +311,27 @@ def test_local_inbox_takes_each_file_once_and_a_changed_file_again(
     write_jsonl(inbox / "copying.jsonl", [chat_row("c", "still being written")])
     assert not waiting.tick("local_inbox").run_requests
     assert [c["input"] for c in submitted(deployment.tick("local_inbox"))] == [str(inbox / "copying.jsonl")]
+
+
+def test_a_new_file_is_taken_in_the_tick_that_finds_it_once_it_has_settled(tmp_path: Path) -> None:
+    """The tick waits out a new file's settle time rather than leaving it to the next tick, and
+    takes it only if nothing was written to it meanwhile."""
+    inbox, outbox = tmp_path / "inbox", tmp_path / "outbox"
+    inbox.mkdir()
+    done = write_jsonl(inbox / "done.jsonl", [chat_row("a", "hi")])
+    copying = write_jsonl(inbox / "copying.jsonl", [chat_row("b", "hi")])
+    waits: list[float] = []
+
+    def wait(seconds: float) -> None:  # the copy goes on while the tick waits
+        waits.append(seconds)
+        time.sleep(seconds)
+        with copying.open("a") as f:
+            f.write(json.dumps(chat_row("c", "more")) + "\n")
+
+    taken = [a.uri for a in folder_arrivals(inbox, outbox, 0.3, wait)]
+    assert taken == [str(done)] and len(waits) == 1 and 0 < waits[0] <= 0.3
+    assert [a.uri for a in folder_arrivals(inbox, outbox, MAX_SETTLE_WAIT_S + 1, wait)] == []
+    assert len(waits) == 1, "a settle time longer than a tick may wait is left to later ticks"
 
 
 @pytest.mark.slow

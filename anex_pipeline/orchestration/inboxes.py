@@ -236,8 +236,37 @@ class LocalInboxSettings(InboxSettings):
         return inbox, outbox
 
 
-def folder_arrivals(inbox: Path, outbox: Path, settle_seconds: float) -> Iterator[Arrival]:
-    now = time.time()
+MAX_SETTLE_WAIT_S = 10.0  # the longest a tick waits for new files to settle (Dagster gives a tick 60 s)
+
+
+def folder_arrivals(
+    inbox: Path, outbox: Path, settle_seconds: float, wait: Callable[[float], None] = time.sleep
+) -> Iterator[Arrival]:
+    """The input files of the inbox that have not changed for ``settle_seconds`` (a copy in
+    progress is left for later). A file that arrived too recently is waited for in this tick, when
+    its settle time ends within MAX_SETTLE_WAIT_S, and taken if it did not change meanwhile: the
+    sensor's next tick comes 5 s or more later."""
+    settling = []
+    for path, st in _input_files(inbox, outbox):
+        # ctime changes on every write and on a rename into the inbox, and cannot be set back.
+        if time.time() - st.st_ctime >= settle_seconds:
+            yield _arrival(inbox, outbox, path, st)
+        else:
+            settling.append((path, st))
+    left = max((st.st_ctime + settle_seconds - time.time() for _, st in settling), default=0.0)
+    if not settling or left > MAX_SETTLE_WAIT_S:
+        return
+    wait(max(left, 0.0))
+    for path, st in settling:
+        try:
+            now = path.stat()
+        except FileNotFoundError:
+            continue
+        if now.st_ctime == st.st_ctime and time.time() - now.st_ctime >= settle_seconds:
+            yield _arrival(inbox, outbox, path, now)
+
+
+def _input_files(inbox: Path, outbox: Path) -> Iterator[tuple[Path, os.stat_result]]:
     for dirpath, dirnames, filenames in os.walk(inbox):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and here / d != outbox]
@@ -246,20 +275,20 @@ def folder_arrivals(inbox: Path, outbox: Path, settle_seconds: float) -> Iterato
             if not is_input_name(filename):
                 continue
             try:
-                st = path.stat()
+                yield path, path.stat()
             except FileNotFoundError:  # moved away while we looked
                 continue
-            # ctime changes on every write and on a rename into the inbox, and cannot be set back.
-            if now - st.st_ctime < settle_seconds:
-                continue
-            name = path.relative_to(inbox).as_posix()
-            yield Arrival(
-                name=name,
-                arrived=st.st_ctime,
-                version=f"{st.st_mtime_ns}-{st.st_size}",
-                uri=str(path),
-                output=str(outbox / results_name(name)),
-            )
+
+
+def _arrival(inbox: Path, outbox: Path, path: Path, st: os.stat_result) -> Arrival:
+    name = path.relative_to(inbox).as_posix()
+    return Arrival(
+        name=name,
+        arrived=st.st_ctime,
+        version=f"{st.st_mtime_ns}-{st.st_size}",
+        uri=str(path),
+        output=str(outbox / results_name(name)),
+    )
 
 
 @dg.sensor(
@@ -269,7 +298,8 @@ def folder_arrivals(inbox: Path, outbox: Path, settle_seconds: float) -> Iterato
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(
         "Each new JSONL or Parquet file in the inbox folder becomes a job, with options from a sidecar "
-        "<file>.job.json; results go to the outbox folder. Needs job_driver running."
+        "<file>.job.json; results go to the outbox folder. Needs job_driver running (a one-shard job "
+        "runs all its steps in its submit run)."
     ),
 )
 def local_inbox(
