@@ -29,11 +29,15 @@ from anex_pipeline.engine.http.engine import (
     HttpSettings,
     OpenAIHttpEngine,
     ServerUnavailable,
+    could_share_enough,
     named_context_error,
     row_error,
+    tokenize_body,
 )
 from anex_pipeline.engine.http.replicas import ServersDown
+from anex_pipeline.engine.machine_server import prefix_cache
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
+from anex_pipeline.engine.prefix_order import PrefixCache, ordered
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner
@@ -225,6 +229,32 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.vllm_serve
 @pytest.mark.engine
+def test_rows_sharing_a_document_reach_vllm_serve_together_by_its_own_tokens(vllm_server: str) -> None:
+    """The server says what its prefix cache holds, and renders and tokenises each row itself:
+    the tokens are the ones its generation counts, and rows of one document are ordered together."""
+    cache = prefix_cache(vllm_server)
+    assert cache is not None and cache.block_tokens > 0 and cache.capacity_tokens >= 1024
+    engine = OpenAIHttpEngine(HttpSettings(base_url=vllm_server, model_name=DEFAULT_CHAT_MODEL))
+    try:
+        documents = [" ".join(f"fact {d}.{k} is about river {d}." for k in range(60)) for d in range(3)]
+        rows = [  # question-major: each document's questions far apart in the file
+            request(q * 3 + d, f"{documents[d]} Question {q}: which river?", max_tokens=1)
+            for q in range(2)
+            for d in range(3)
+        ]
+        assert engine.prefix_cache is None and engine.prompts_tokens(rows) == [None] * 6  # only when given a cache
+        engine.prefix_cache = PrefixCache(block_tokens=cache.block_tokens, capacity_tokens=cache.block_tokens)
+        tokens = engine.prompts_tokens(rows)
+        [counted] = engine.run([rows[0]])
+        assert counted.usage["prompt_tokens"] == len(tokens[0])  # the rendering generation used
+        assert tokens[0][: 3 * cache.block_tokens] == tokens[3][: 3 * cache.block_tokens]
+        assert [r.index % 3 for r in ordered(rows, engine)] == [0, 0, 1, 1, 2, 2]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.vllm_serve
+@pytest.mark.engine
 def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path, vllm_server: str) -> None:
     questions = ["What is the capital of France?", "Say hello.", "Name a colour."]
     rows = [chat_row(f"q-{i}", q, max_tokens=8, temperature=0) for i, q in enumerate(questions)]
@@ -264,6 +294,34 @@ def test_a_job_through_vllm_serve_has_the_in_process_result_shape(tmp_path: Path
     assert long_row["error"]["type"] == "invalid_request_error"
     assert "maximum context length" in long_row["error"]["message"]
     assert (long_row["error"]["code"], long_row["error"]["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_rows_that_cannot_share_much_are_not_sent_to_the_tokenizer() -> None:
+    cache = PrefixCache(block_tokens=16, capacity_tokens=4096)
+    unique = [request(i, f"question {i}: how far is town {i}?") for i in range(50)]
+    assert not could_share_enough(unique, cache)
+    document = "a long shared document, " * 200  # about 4,800 bytes
+    assert could_share_enough([request(i, f"{document} question {i}") for i in range(3)], cache)
+    with_tools = request(0, "hi")
+    with_tools.body["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    assert could_share_enough([with_tools], cache), "a template may render the tools first"
+
+
+def test_the_tokenize_body_is_the_rows_rendering_and_nothing_is_asked_about_media() -> None:
+    chat = request(0, "hello", chat_template_kwargs={"enable_thinking": False})
+    assert tokenize_body(chat, "m") == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert tokenize_body(request(1, "once upon", "completions"), "m") == {"model": "m", "prompt": "once upon"}
+    assert tokenize_body(request(2, "text", "embeddings"), "m") is None
+    image = request(3, "x")
+    image.body["messages"][0]["content"] = [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    ]
+    assert tokenize_body(image, "m") is None
 
 
 def test_a_responses_row_is_sent_as_chat_and_answered_as_a_response(server: FakeServer) -> None:

@@ -15,11 +15,21 @@ import pytest
 from anex_pipeline import testing
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.engine.prefix_order import PrefixCache, ordered, prefix_order, shared_blocks
+from anex_pipeline.engine.prefix_order import PrefixCache, ordered, prefix_order, shared_blocks, shared_bytes
 from anex_pipeline_tests.harness.jobs import read_jsonl, run_job, write_jsonl
 
 SMALL = PrefixCache(block_tokens=4, capacity_tokens=8)
 DOCS, QUESTIONS = 6, 3
+
+
+def test_shared_bytes_bounds_what_texts_share_from_above() -> None:
+    texts = [b"abcdefgh-1", b"abcdefgh-2", b"abcdXY", b"zzz"]
+    # "abcd" once, "efgh-" once more for the two that share it; "zzz" shares nothing
+    assert shared_bytes(texts) == 4 + 5
+    assert shared_bytes([b"same", b"same", b"same"]) == 4
+    assert shared_bytes([]) == shared_bytes([b"alone"]) == 0
+    for a, b in [([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 0]), ([5] * 40, [5] * 39 + [4])]:
+        assert shared_bytes([bytes(a), bytes(b)]) >= shared_blocks(a, b, 4)
 
 
 def test_shared_blocks_counts_whole_blocks_only() -> None:
@@ -61,10 +71,10 @@ def test_a_prompt_that_cannot_be_rendered_goes_last() -> None:
 
 
 def test_rows_are_ordered_window_by_window_and_stops_are_checked() -> None:
-    class Tokens:
+    class Tokens(testing.FakeEngine):
         prefix_cache = SMALL
 
-        def prompt_tokens(self, row: list[int]) -> list[int]:
+        def prompt_tokens(self, row: list[int]) -> list[int]:  # type: ignore[override]
             return row
 
     rows = [[d] * 8 + [q] for q in range(2) for d in range(2)] * 2  # two windows of 4 rows each

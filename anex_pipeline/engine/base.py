@@ -120,6 +120,17 @@ class Engine(ABC):
         are not known (by default), which sends the row after the ordered ones."""
         return None
 
+    def prompts_tokens(
+        self, requests: Sequence[EngineRequest], stop: StopCheck | None = None
+    ) -> list[Sequence[int] | None]:
+        """:meth:`prompt_tokens` of each request in turn, ``stop`` checked every few hundred."""
+        tokens = []
+        for n, req in enumerate(requests):
+            if stop is not None and n % prefix_order.STOP_CHECK_ROWS == 0:
+                stop()
+            tokens.append(self.prompt_tokens(req))
+        return tokens
+
     def shutdown(self) -> None:
         """Releases what the engine holds (its model, its connections); by default nothing."""
         return None

@@ -235,6 +235,7 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
         return None
     shared = config.model_copy(update={"kind": "http", "base_url": server.url, "api_key": server.token})
     engine = _http_engine(shared, manifest)
+    engine.prefix_cache = machine_server.prefix_cache(server.url)  # its rows may then go in prefix order
     given = engine_kwargs(settings, machine_server.cpu_build())
     engine.server_account = {
         "kind": "machine_server",

@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -67,6 +68,7 @@ from anex_pipeline.engine.orphans import (
     signal_if_same,
     start_time,
 )
+from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
 from anex_pipeline.paths import machine_server_dir
 
@@ -221,21 +223,39 @@ def healthy(url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         return False
 
 
-def busy(url: str) -> bool:
-    """Whether the server has requests running or waiting (from its Prometheus metrics); a
-    server that does not answer counts as not busy."""
+def _metrics(url: str) -> str:
+    """The server's Prometheus metrics as text; empty when it does not answer."""
     import httpx
 
     try:
-        text = httpx.get(f"{url}/metrics", timeout=HEALTH_TIMEOUT_S).text
+        return httpx.get(f"{url}/metrics", timeout=HEALTH_TIMEOUT_S).text
     except httpx.HTTPError:
-        return False
-    for line in text.splitlines():
+        return ""
+
+
+def busy(url: str) -> bool:
+    """Whether the server has requests running or waiting (from its Prometheus metrics); a
+    server that does not answer counts as not busy."""
+    for line in _metrics(url).splitlines():
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
             with contextlib.suppress(ValueError, IndexError):
                 if float(line.rsplit(None, 1)[1]) > 0:
                     return True
     return False
+
+
+def prefix_cache(url: str) -> PrefixCache | None:
+    """The server's prefix cache, from the cache settings it publishes in its metrics
+    (``vllm:cache_config_info``): its block size and how many tokens its KV cache holds; None
+    when it keeps no prefixes or does not say."""
+    for line in _metrics(url).splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            with contextlib.suppress(KeyError, ValueError):
+                block, blocks = int(labels["block_size"]), int(labels["num_gpu_blocks"])
+                if labels.get("enable_prefix_caching") == "True" and block > 0 and blocks > 0:
+                    return PrefixCache(block_tokens=block, capacity_tokens=block * blocks)
+    return None
 
 
 def server_command(settings: Any, port: int) -> list[str]:

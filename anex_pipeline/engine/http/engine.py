@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import logging
 import re
 import time
@@ -33,6 +34,7 @@ import httpx
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, unit_vector
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
+from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.request_fields import POOLING, PROMPT_FIELDS, SCORING
@@ -219,6 +221,42 @@ class OpenAIHttpEngine(Engine):
         self.pool.probed(server, error)
 
     # -- rows ------------------------------------------------------------------------------------
+    def prompt_tokens(self, request: EngineRequest) -> Sequence[int] | None:
+        """The row's prompt as the server renders and tokenises it (vLLM's ``/tokenize``), for the
+        prefix order. Asked only of an engine that was given a ``prefix_cache`` (the loader gives
+        the machine's shared server one). None for the rows not asked about (see
+        :func:`tokenize_body`) and when the server gives no tokens."""
+        body = tokenize_body(request, self.model_name)
+        if body is None:
+            return None
+        try:
+            response = self.pool.servers[0].client.post("/tokenize", json=body, timeout=PROBE_TIMEOUT_S)
+            tokens = response.json()["tokens"] if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+    def prompts_tokens(
+        self, requests: Sequence[EngineRequest], stop: StopCheck | None = None
+    ) -> list[Sequence[int] | None]:
+        """The prompts' tokens from the server, ``max_concurrency`` asked at a time (a round trip
+        takes 1-3 ms). None for all, with nothing asked, when the rows' texts show that they
+        cannot share enough to be worth ordering (:func:`could_share_enough`)."""
+        if self.prefix_cache is None or not could_share_enough(requests, self.prefix_cache):
+            return [None] * len(requests)
+        with ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="anex-tokenize") as pool:
+            asked = [pool.submit(self.prompt_tokens, req) for req in requests]
+            try:
+                tokens = []
+                for n, future in enumerate(asked):
+                    if stop is not None and n % STOP_CHECK_ROWS == 0:
+                        stop()
+                    tokens.append(future.result())
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        return tokens
+
     def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
         return collect(self.stream, requests)
 
@@ -386,6 +424,54 @@ def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
     if req.reasoning_budget is not None:
         body["thinking_token_budget"] = req.reasoning_budget
     return body
+
+
+TOKENIZE_CHAT_FIELDS = (
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+)
+
+
+def tokenize_body(req: EngineRequest, model: str) -> dict[str, Any] | None:
+    """What vLLM's ``/tokenize`` takes to render the row's prompt as its chat or completions request
+    would be rendered; None for a row of another endpoint and for a chat row with media (rendering
+    it would have the server fetch and process the media once more)."""
+    body = request_body(req, model)
+    if req.endpoint == "completions":
+        return {"model": body["model"], "prompt": body["prompt"]} if isinstance(body.get("prompt"), str) else None
+    if req.endpoint != "chat":
+        return None
+    for message in body.get("messages", []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            return None
+    return {"model": body["model"], **{k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}}
+
+
+RENDERING_SLACK_TOKENS = 1024  # what a chat template may add before and between the messages, at most
+
+
+def could_share_enough(requests: Sequence[EngineRequest], cache: PrefixCache) -> bool:
+    """Whether the rows' prompts could share enough to be worth ordering, told from their texts
+    without the server: the bytes of every prefix two rows' messages (or prompts) share bound the
+    tokens they share (a token is a byte or more), and the rows are worth ordering only when what
+    they share fills more than half the cache. Rows with tools or a chat template of their own are
+    not told apart this way (a template may render those first): then every row is asked."""
+    texts = []
+    for req in requests:
+        body = tokenize_body(req, "")
+        if body is None:
+            continue
+        if "tools" in body or "chat_template" in body:
+            return True
+        text = body.get("prompt", body.get("messages"))
+        texts.append(text.encode() if isinstance(text, str) else json.dumps(text, ensure_ascii=False).encode())
+    return shared_bytes(texts) + RENDERING_SLACK_TOKENS > cache.capacity_tokens // 2
 
 
 def row_error(response: httpx.Response) -> RowError:
