@@ -1,9 +1,10 @@
 """The same job through the command line and through the local inbox: ``anex-pipeline run`` (one
 process, its own engine) against a file dropped into the inbox folder of a real ``dagster-daemon``
-with the ``local_inbox`` and ``job_driver`` sensors on (each step a process of its own, the engine
-the machine's shared model server), from upload to result file. Rounds alternate CLI / inbox; the
-medians and their ratio are printed (target: the inbox within 1.5x of the CLI), and for each inbox
-round when each Dagster run was created, started and ended, counted from the upload.
+with the ``local_inbox`` and ``job_driver`` sensors on (the job's one shard carried through by its
+submit run, the engine the machine's shared model server), from upload to result file. Rounds
+alternate CLI / inbox; the medians and their ratio are printed (target: the inbox within 1.1x of
+the CLI), and for each inbox round when each Dagster run was created, started and ended, counted
+from the upload.
 
 Every round's questions are its own, so no round reuses another's answers. The shared server
 outlives a round (it ends after 10 minutes idle), so only the first inbox round
