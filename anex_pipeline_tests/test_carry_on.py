@@ -113,6 +113,21 @@ def test_the_setting_at_zero_or_another_executor_leaves_every_step_to_the_driver
     assert deployment.drive() == [[f"shard_job:{job_shard_key('one', 0)}"], ["finish_job:one"]]
 
 
+def test_a_setting_that_is_not_a_number_is_told_in_one_line_and_leaves_the_job_to_the_driver(
+    tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine()), instance)
+    monkeypatch.setenv("ANEX_CARRY_ON_SHARDS", "one")
+    submit(deployment, tmp_path, "typo", [chat_row("a", "question", max_tokens=8)])
+    (run,) = instance.get_runs()
+    assert run.status == dg.DagsterRunStatus.SUCCESS and runs(instance) == [("submit_job", "typo", None)]
+    errors = [e.message for e in instance.all_logs(run.run_id) if e.level >= 40 and e.message]
+    assert errors == [
+        "ANEX_CARRY_ON_SHARDS='one' is not a whole number of shards; the job's other steps wait for "
+        "job_driver (set it to 1, the default, or 0 to turn this off)"
+    ]
+
+
 def test_a_job_another_process_drives_is_not_carried(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     storage = storage_for(tmp_path)
     deployment = Deployment(build_definitions(storage, fake_engine()), instance)

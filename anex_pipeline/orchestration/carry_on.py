@@ -40,9 +40,18 @@ def carry_on(context: dg.HookContext) -> None:
     )
 
     run = context.instance.get_run_by_id(context.run_id)
-    limit = settings.CARRY_ON_SHARDS.get_int()
-    if run is None or run.tags.get(LAUNCHED_BY_TAG) or settings.EXECUTOR.get() or limit < 1:
+    if run is None or run.tags.get(LAUNCHED_BY_TAG) or settings.EXECUTOR.get():
         return  # a process that drives the job itself, or steps that belong elsewhere
+    try:
+        limit = settings.CARRY_ON_SHARDS.get_int()
+    except ValueError:
+        context.log.error(
+            f"{settings.CARRY_ON_SHARDS.name}={settings.CARRY_ON_SHARDS.get()!r} is not a whole number of shards; "
+            "the job's other steps wait for job_driver (set it to 1, the default, or 0 to turn this off)"
+        )
+        return
+    if limit < 1:
+        return
     storage, engine = context.resources.storage, context.resources.engine
     job = storage.job(job_of_key(run.tags[PARTITION_TAG]))
     count = len(job.manifest().shards)

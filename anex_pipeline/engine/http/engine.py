@@ -11,9 +11,10 @@ that server out until it answers a probe); waits follow the shared retry policy 
 through untouched (embedding vectors are scaled to unit length), and an error answer becomes the
 row's error with the server's status code.
 
-At about 430 lines this module holds one idea, the stream that keeps every server's slots full
-with its retries and the mapping between a row and its HTTP request and answer; the replicas'
-bookkeeping lives in :mod:`.replicas`.
+At about 520 lines this module holds one idea, the stream that keeps every server's slots full
+with its retries and the mapping between a row and its HTTP requests (its generation, and, for the
+prefix order, its rendering by the server) and answer; the replicas' bookkeeping lives in
+:mod:`.replicas`.
 """
 
 from __future__ import annotations
