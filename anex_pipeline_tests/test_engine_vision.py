@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from anex_pipeline.orchestration.definitions import build_definitions
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
+from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.batch_api import content, wait
 from anex_pipeline_tests.harness.commands import Served
@@ -174,7 +176,8 @@ def pq_input(path: Path, pictures: list[Any]) -> Path:
 def test_a_vision_job_from_dagster_shows_media_per_host(
     tmp_path: Path, real_runner: JobRunner, vision_model: Path, media_server: MediaServer
 ) -> None:
-    """The job's assets materialized straight from Dagster, as the UI's launchpad does."""
+    """The job launched from Dagster as the UI's launchpad does: its submit run carries the
+    one-shard job through its other steps, and the shard's run shows the media it fetched."""
     rows = [
         vision_row("a", image(media_server.url("/img/a.png"))),
         vision_row("gone", image(media_server.url("/missing.png"))),
@@ -185,19 +188,19 @@ def test_a_vision_job_from_dagster_shows_media_per_host(
     with local_instance() as instance:
         instance.add_dynamic_partitions(JOBS, ["vision"])
         config = {"input": str(src), "output": str(out), "options": vision_options(vision_model, media_server)}
-        submit = {"ops": {"validated_input": {"config": config}}}
-        for job, key, run_config in (
-            ("submit_job", "vision", submit),
-            ("estimate_job", "vision", None),
-            ("shard_job", job_shard_key("vision", 0), None),
-            ("finish_job", "vision", None),
-        ):
-            result = d.resolve_job_def(job).execute_in_process(
-                instance=instance, partition_key=key, run_config=run_config
-            )
-            assert result.success
-            if job == "shard_job":
-                media = result.asset_materializations_for_node("fetched_media")[0].metadata
+        result = d.resolve_job_def("submit_job").execute_in_process(
+            instance=instance, partition_key="vision", run_config={"ops": {"validated_input": {"config": config}}}
+        )
+        assert result.success
+        carried = {r.job_name: r.tags.get(LAUNCHED_BY_TAG) for r in instance.get_runs()}
+        assert carried == {
+            "submit_job": None,
+            "shard_job": CARRIED_RUN,
+            "finish_job": CARRIED_RUN,
+        }  # max_tokens is set: the submit step records the estimate
+        (record,) = instance.fetch_materializations(dg.AssetKey("fetched_media"), limit=10).records
+        assert record.partition_key == job_shard_key("vision", 0)
+        media = record.asset_materialization.metadata
     host = f"127.0.0.1:{media_server.port}"
     assert media["by_host"].value == {host: {"downloaded": 1, "from_cache": 0, "failed": 1}}
     assert media["failed_by_code"].value == {"404": 1}
