@@ -17,10 +17,12 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import release_engines
+from anex_pipeline.engine.machine_server import stop_server
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
-from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, run_job, write_jsonl
+from anex_pipeline_tests.harness.jobs import answers, chat_row, local_instance, read_jsonl, run_job, write_jsonl
 from anex_pipeline_tests.harness.tiny_models import SPECIAL_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -64,6 +66,16 @@ def message(line: dict[str, Any]) -> dict[str, Any]:
     assert line["error"] is None, line["error"]
     ChatCompletion.model_validate(line["response"]["body"])
     return line["response"]["body"]["choices"][0]["message"]
+
+
+def given(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that hold something (vLLM's server also writes the empty ones, as None)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def shape_of(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """A chat logprobs entry without its numbers: its token, bytes and alternatives."""
+    return entry["token"], entry["bytes"], [(t["token"], t["bytes"]) for t in entry["top_logprobs"]]
 
 
 def reasoning_tokens(line: dict[str, Any]) -> int:
@@ -150,3 +162,75 @@ def test_an_unset_budget_is_estimated_from_the_sample(
     assert estimate.reasoning_budget == 24
     assert "reasoning_budget: upper 95% confidence bound" in estimate.method
     assert report.request_counts.completed == 6 and report.usage.reasoning_tokens > 0
+
+
+@pytest.mark.vllm_serve
+def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
+    tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine's shared server (``vllm serve``) ends a trace at its budget with the end tag
+    alone; the HTTP engine continues the row after the notice, so each row gets the answer the
+    in-process engine gives it. The last test of the module: its engine is released for the server."""
+    rows = [
+        noise_row("cut", tokenizer, seed=0),
+        noise_row("logprobs", tokenizer, seed=1, logprobs=True, top_logprobs=2),
+        noise_row("head-only", tokenizer, seed=2, max_tokens=12),  # the cap falls inside the notice
+        noise_row("ends-early", tokenizer, seed=3, end_bias=6),  # never cut: the server's answer as it is
+        noise_row("quiet", tokenizer, seed=4, chat_template_kwargs={"enable_thinking": False}),
+        noise_row("json", tokenizer, seed=6, response_format={"type": "json_object"}),  # constrained after the trace
+    ]
+    text = {k: v for k, v in noise_row("text", tokenizer, seed=5)["body"].items() if k != "messages"}
+    text_row = {"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": text}
+    text_row["body"].update(prompt=f"{QUESTION}<think>\n", logprobs=2)  # a prompt that opens a trace
+    text_src = write_jsonl(tmp_path / "text.jsonl", [text_row])
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"model": str(tiny), "reasoning_budget": 8, "max_tokens": 40, "temperature": 1.0}
+    run_job(runner, src, tmp_path / "own.jsonl", options)
+    run_job(runner, text_src, tmp_path / "own-text.jsonl", options)
+    release_engines()  # its memory and cores go to the server
+
+    folder = tmp_path / "machine-server"
+    monkeypatch.setenv("ANEX_MACHINE_SERVER_DIR", str(folder))
+    storage = StorageResource(work_root=str(tmp_path / "served-work"))
+    try:
+        with local_instance() as inst:
+            served = JobRunner(inst, storage, EngineConfig(max_model_len=512), warm_server=True, keep_warm=True)
+            report = run_job(served, src, tmp_path / "served.jsonl", options)
+            run_job(served, text_src, tmp_path / "served-text.jsonl", options)
+            served.close()
+    finally:
+        stop_server(folder)
+    assert report.engine["kind"] == "machine_server"
+
+    own, theirs = answers(tmp_path / "own.jsonl"), answers(tmp_path / "served.jsonl")
+    own_text, served_text = (
+        answers(tmp_path / name)["text"]["response"]["body"] for name in ("own-text.jsonl", "served-text.jsonl")
+    )
+    text_choice, own_text_choice = served_text["choices"][0], own_text["choices"][0]
+    assert text_choice["text"] == own_text_choice["text"] and BUDGET_NOTICE in text_choice["text"]
+    assert text_choice["logprobs"]["tokens"] == own_text_choice["logprobs"]["tokens"]
+    assert text_choice["logprobs"]["text_offset"] == own_text_choice["logprobs"]["text_offset"]
+    forced = [lp is None for lp in text_choice["logprobs"]["token_logprobs"]]
+    assert forced == [lp is None for lp in own_text_choice["logprobs"]["token_logprobs"]] and any(forced)
+    assert served_text["usage"] == own_text["usage"]
+    for key in own:
+        mine, server = own[key]["response"]["body"], theirs[key]["response"]["body"]
+        assert given(message(theirs[key])) == given(message(own[key])), key
+        assert server["choices"][0]["finish_reason"] == mine["choices"][0]["finish_reason"], key
+        if key in ("cut", "logprobs", "head-only", "json"):  # the answers made here count as the engine counts
+            assert server["usage"] == mine["usage"], key
+    for key in ("cut", "json"):
+        assert message(theirs[key])["reasoning_content"].endswith(f"\n{BUDGET_NOTICE}\n"), key
+    assert message(theirs["json"])["content"].lstrip().startswith("{")
+    assert message(theirs["head-only"])["content"] is None or not message(theirs["head-only"])["content"]
+    assert theirs["head-only"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    entries = theirs["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    mine = own["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(entries) == len(mine) == 40
+    assert sum(e["logprob"] == -9999.0 for e in entries) == sum(e["logprob"] == -9999.0 for e in mine) > 0
+    for theirs_entry, own_entry in zip(entries, mine, strict=True):  # the notice's tokens were forced: no logprob
+        assert shape_of(theirs_entry) == shape_of(own_entry)
+        assert theirs_entry["logprob"] == pytest.approx(own_entry["logprob"], abs=1e-3)
+    assert "token_ids" not in theirs["cut"]["response"]["body"]["choices"][0]  # asked for by the engine alone
+    quiet = message(theirs["quiet"])
+    assert quiet.get("reasoning_content") is None and BUDGET_NOTICE not in quiet["content"]

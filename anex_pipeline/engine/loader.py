@@ -20,6 +20,7 @@ from anex_pipeline.console import PROGRESS_FIELD, EngineLoad
 from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.engine_args import canonical, vllm_version
+from anex_pipeline.engine.http.continuation import TraceContinuation
 from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.http.replicas import server_urls
 from anex_pipeline.engine.orphans import guard_descendants
@@ -237,6 +238,8 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
     engine = _http_engine(shared, manifest)
     engine.prefix_cache = machine_server.prefix_cache(server.url)  # its rows may then go in prefix order
     given = engine_kwargs(settings, machine_server.cpu_build())
+    if settings.reasoning_parser:
+        engine.continuation = TraceContinuation(settings, given)
     engine.server_account = {
         "kind": "machine_server",
         "model": settings.model_name,

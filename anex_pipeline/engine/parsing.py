@@ -19,13 +19,19 @@ vLLM is imported inside functions only: the Dagster code location imports this m
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import JobOptions
+
+if TYPE_CHECKING:
+    from anex_pipeline.engine.base import EngineRequest
+
+log = logging.getLogger(__name__)
 
 # The line that closes a trace cut short by the thinking budget, before the model's end tag.
 BUDGET_NOTICE = "Thinking budget exhausted; answering with what I have."
@@ -308,6 +314,25 @@ class OutputParser:
             }
             self._classes[key] = type(composed.__name__, (composed,), pinned)
         return self._classes[key]
+
+    def row_answer(self, req: EngineRequest, text: str, output_ids: Sequence[int], prompt_ids: Sequence[int]) -> Parsed:
+        """A row's answer split as the row asks (completions keep the raw text). A parser that
+        chokes on odd output does not cost the row its answer: the raw text is delivered."""
+        if req.endpoint != "chat":
+            return Parsed(content=text)
+        try:
+            return self.parse(
+                text,
+                output_ids,
+                prompt_ids,
+                req.body,
+                req.chat_template_kwargs,
+                thinking=req.parse_thinking,
+                tools=req.parse_tool_calls,
+            )
+        except Exception:
+            log.warning("row %s: the output parsers failed; delivering the raw text", req.key, exc_info=True)
+            return Parsed(content=text)
 
     def parse(
         self,

@@ -19,7 +19,6 @@ from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import engine_for, engine_kind, machine_engine, release_engines
 from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
 from anex_pipeline.engine.vllm.engine import configure_vllm_logging
-from anex_pipeline.stages.estimate import model_thinks
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import record_engine
@@ -82,8 +81,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
     warm_server: bool = Field(
         default=False,
         description="With machine_server off: use the machine's shared model server when one is up for the "
-        "job's model and engine settings, else load the model in this process. A model that thinks always "
-        "loads here: the shared server does not continue a trace cut by the thinking budget.",
+        "job's model and engine settings, else load the model in this process.",
     )
     keep_warm: bool = Field(
         default=False,
@@ -109,15 +107,15 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
             record_engine(job, engine.report_section())
         return engine
 
-    def _sends_to_shared_server(self, manifest: JobManifest) -> bool:
+    def _sends_to_shared_server(self) -> bool:
         """Whether these settings send the job to the machine's shared server (when one is up, or
         when this resource starts one: ``machine_server`` or ``keep_warm``)."""
-        return self.machine_server or (self.warm_server and not model_thinks(manifest))
+        return self.machine_server or self.warm_server
 
     def _shared_server(self, manifest: JobManifest, *, start: bool) -> Engine | None:
         """The machine's shared server for the job, when these settings send it there (with
         ``start=False``, only one that is up already)."""
-        if not self._sends_to_shared_server(manifest):
+        if not self._sends_to_shared_server():
             return None
         start = start and (self.machine_server or self.keep_warm)
         return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start)
@@ -131,7 +129,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         of its own, while this thread logs (Dagster's handlers do), the two threads once deadlocked
         on logging's locks, so when the engine is to be built in this process the set-up is done
         here first, on this thread."""
-        shared = self._sends_to_shared_server(manifest) and (
+        shared = self._sends_to_shared_server() and (
             self.machine_server or self.keep_warm or self._shared_server(manifest, start=False) is not None
         )
         if engine_kind(self.plain()) == "vllm" and not shared:

@@ -8,10 +8,11 @@ per server (:mod:`anex_pipeline.engine.http.replicas`). A row is tried again, on
 when it can, after a 408, 429 or 5xx answer or when its server gives no answer (which also takes
 that server out until it answers a probe); waits follow the shared retry policy (a server's
 ``Retry-After`` wins). What the server answers is what the row gets: a success body passes
-through untouched (embedding vectors are scaled to unit length), and an error answer becomes the
-row's error with the server's status code.
+through untouched (embedding vectors are scaled to unit length; on the machine's shared server, a
+trace the thinking budget cut is continued after the notice, :mod:`.continuation`), and an error
+answer becomes the row's error with the server's status code.
 
-At about 520 lines this module holds one idea, the stream that keeps every server's slots full
+At about 560 lines this module holds one idea, the stream that keeps every server's slots full
 with its retries and the mapping between a row and its HTTP requests (its generation, and, for the
 prefix order, its rendering by the server) and answer; the replicas' bookkeeping lives in
 :mod:`.replicas`.
@@ -34,6 +35,7 @@ import httpx
 
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, unit_vector
+from anex_pipeline.engine.http.continuation import TraceContinuation
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
@@ -133,6 +135,9 @@ class OpenAIHttpEngine(Engine):
         # The machine server's account of itself when the loader started the server behind this
         # engine (the report then shows it instead of the address).
         self.server_account: dict[str, Any] | None = None
+        # Given by the loader for the machine's shared server of a model that thinks: continues a
+        # trace the thinking budget cut, as the in-process engine does.
+        self.continuation: TraceContinuation | None = None
         try:
             self._first_contact()
         except BaseException:
@@ -358,22 +363,22 @@ class OpenAIHttpEngine(Engine):
 
     def _request(self, server: Server, req: EngineRequest) -> _Tried:
         body = request_body(req, self.model_name)
-        try:
-            path, headers = ENDPOINT_PATHS[req.endpoint], {"X-Request-Id": req.request_id}
-            response = server.client.post(path, json=body, headers=headers)
-        except httpx.TransportError as exc:
-            lost = RowOutcome(req.index, req.key, None, server=server.root)
-            return _Tried(lost, retry="no answer", reason=repr(exc))
-        if not response.is_success:
-            status = response.status_code
-            error = named_context_error(row_error(response), req.endpoint)
-            outcome = RowOutcome(req.index, req.key, status, error=error, server=server.root)
-            if retryable_status(response.status_code):
-                reason = f"{server.root} answered {response.status_code}"
-                return _Tried(outcome, retry="status", retry_after=response.headers.get("retry-after"), reason=reason)
-            return _Tried(outcome)
+        continuation = self.continuation if self.continuation is not None and self.continuation.applies(req) else None
+        if continuation is not None:
+            body["return_token_ids"] = True
+        response = self._post(server, req, req.endpoint, body)
+        if isinstance(response, _Tried):
+            return response
         try:
             payload = response.json()
+            if continuation is not None and (cut := continuation.cut(req, payload)) is not None:
+                rest = None
+                if cut.left is None or cut.left > 0:
+                    answered = self._post(server, req, "completions", continuation.follow_body(req, body, cut), "-rest")
+                    if isinstance(answered, _Tried):
+                        return answered
+                    rest = answered.json()
+                payload = continuation.joined(req, payload, cut, rest)
             if req.endpoint == "embeddings":
                 fmt = req.body.get("encoding_format")
                 for item in payload["data"]:
@@ -381,12 +386,32 @@ class OpenAIHttpEngine(Engine):
             elif req.endpoint == "chat":
                 _name_reasoning_as_specified(payload)
             usage = row_usage(payload.get("usage"), req.endpoint)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             message = f"the model server answered {response.status_code} with no usable {req.endpoint} body: {exc!r}"
             error = RowError(message=message, type=RowErrorType.ENGINE)
             return _Tried(RowOutcome(req.index, req.key, None, error=error, server=server.root))
         status = response.status_code
         return _Tried(RowOutcome(req.index, req.key, status, body=payload, usage=usage, server=server.root))
+
+    def _post(
+        self, server: Server, req: EngineRequest, endpoint: str, body: dict[str, Any], id_suffix: str = ""
+    ) -> httpx.Response | _Tried:
+        """One request for the row: the server's success answer, or the try's outcome otherwise."""
+        try:
+            path, headers = ENDPOINT_PATHS[endpoint], {"X-Request-Id": req.request_id + id_suffix}
+            response = server.client.post(path, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            lost = RowOutcome(req.index, req.key, None, server=server.root)
+            return _Tried(lost, retry="no answer", reason=repr(exc))
+        if response.is_success:
+            return response
+        status = response.status_code
+        error = named_context_error(row_error(response), req.endpoint)
+        outcome = RowOutcome(req.index, req.key, status, error=error, server=server.root)
+        if retryable_status(response.status_code):
+            reason = f"{server.root} answered {response.status_code}"
+            return _Tried(outcome, retry="status", retry_after=response.headers.get("retry-after"), reason=reason)
+        return _Tried(outcome)
 
 
 class _Retryable(Exception):

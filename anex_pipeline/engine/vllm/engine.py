@@ -23,7 +23,7 @@ from anex_pipeline.engine import collector
 from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
-from anex_pipeline.engine.parsing import NOTICE_TEXT, OutputParser, ParserNames
+from anex_pipeline.engine.parsing import OutputParser, ParserNames
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.scoring import score_pairs, scoring_response
 from anex_pipeline.engine.sharing import Lanes
@@ -99,8 +99,7 @@ class VllmLocalEngine(Engine):
         self.prefix_cache = _prefix_cache(self.llm) if settings.runner == "generate" else None
         thinking: ThinkingIds | None = None
         if tags is not None:
-            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
-            thinking = ThinkingIds(*ids, notice=self.tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
+            thinking = ThinkingIds.of(tags, self.tokenizer)
         self.sampler = Sampler(
             max_model_len=self.max_model_len,
             defaults=dict(config.get_diff_sampling_param()),

@@ -5,18 +5,15 @@ embedding row's response."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.engine.base import EngineRequest, engine_failure, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
 from anex_pipeline.engine.http.engine import row_usage
-from anex_pipeline.engine.parsing import OutputParser, Parsed, count_thinking_tokens
+from anex_pipeline.engine.parsing import OutputParser, count_thinking_tokens
 from anex_pipeline.engine.vllm.sampling import ThinkingIds
 from anex_pipeline.spec import RowOutcome
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +77,7 @@ class OutputShaper:
 
     def _generated(self, flight: Flight, answer: Answer) -> Generated:
         req = flight.req
-        parsed = self._parsed(req, answer.text, answer.token_ids, flight.prompt_ids)
+        parsed = self.parser.row_answer(req, answer.text, answer.token_ids, flight.prompt_ids)
         t = self.thinking
         thinking = count_thinking_tokens(flight.prompt_ids, answer.token_ids, t.start, t.end) if t is not None else 0
         return Generated(
@@ -118,24 +115,6 @@ class OutputShaper:
                 answer.token_ids, answer.logprobs, req.logprobs, self.tokenizer
             )
         return shaped.model_dump(mode="json")
-
-    def _parsed(self, req: EngineRequest, text: str, output_ids: list[int], prompt_ids: list[int]) -> Parsed:
-        """The chat answer split by the model's parsers (completions keep the raw text)."""
-        if req.endpoint != "chat":
-            return Parsed(content=text)
-        try:
-            return self.parser.parse(
-                text,
-                output_ids,
-                prompt_ids,
-                req.body,
-                req.chat_template_kwargs,
-                thinking=req.parse_thinking,
-                tools=req.parse_tool_calls,
-            )
-        except Exception:  # a parser choking on odd output must not cost the row its answer
-            log.warning("row %s: the output parsers failed; delivering the raw text", req.key, exc_info=True)
-            return Parsed(content=text)
 
     def embedding_outcome(self, req: EngineRequest, prompt_tokens: int, vectors: list[Any]) -> RowOutcome:
         values = [unit_vector(v) for v in vectors]

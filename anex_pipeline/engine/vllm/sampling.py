@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.parsing import ThinkingTags, forced_tool_schema, thinking_tags
+from anex_pipeline.engine.parsing import NOTICE_TEXT, ThinkingTags, forced_tool_schema, thinking_tags
 from anex_pipeline.engine.vllm.prompts import RequestProblem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED
@@ -37,6 +37,12 @@ class ThinkingIds:
     end: list[int]
     closing: list[int]  # the end tag and what leads into the answer
     notice: list[int]
+
+    @classmethod
+    def of(cls, tags: ThinkingTags, tokenizer: Any) -> ThinkingIds:
+        """The tags and the notice as the model's tokenizer encodes them."""
+        ids = [tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
+        return cls(*ids, notice=tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
 
 
 @dataclass
@@ -120,6 +126,18 @@ def reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Thinki
     if not settings.reasoning_parser:
         return None
     from vllm.config import ReasoningConfig
+
+    _, tags = model_thinking(settings, kwargs)
+    # The parser also tells structured outputs where the answer starts, after the thinking.
+    kwargs["reasoning_parser"] = settings.reasoning_parser
+    if tags is not None:  # the budget forces only the closing tags (see the module docstring)
+        kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=tags.start, reasoning_end_str=tags.closing)
+    return tags
+
+
+def model_thinking(settings: EngineSettings, kwargs: dict[str, Any]) -> tuple[Any, ThinkingTags | None]:
+    """The tokenizer the engine loads for ``kwargs`` (its engine arguments) and the thinking tags
+    of the settings' reasoning parser; raises ValueError when the parser does not fit the model."""
     from vllm.tokenizers import get_tokenizer
 
     try:
@@ -127,15 +145,10 @@ def reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Thinki
             kwargs.get("tokenizer") or settings.model,
             trust_remote_code=kwargs.get("trust_remote_code", False),
             revision=kwargs.get("tokenizer_revision") or kwargs.get("revision"),
-        )  # the one the engine loads, by its own engine arguments
-        tags = thinking_tags(settings.reasoning_parser, tokenizer)
+        )
+        return tokenizer, thinking_tags(str(settings.reasoning_parser), tokenizer)
     except Exception as exc:  # e.g. the tokenizer lacks the parser's tags
         raise ValueError(
             f"reasoning parser '{settings.reasoning_parser}' does not fit model '{settings.model_name}': {exc}; "
             "choose another with the reasoning_parser option"
         ) from exc
-    # The parser also tells structured outputs where the answer starts, after the thinking.
-    kwargs["reasoning_parser"] = settings.reasoning_parser
-    if tags is not None:  # the budget forces only the closing tags (see the module docstring)
-        kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=tags.start, reasoning_end_str=tags.closing)
-    return tags
