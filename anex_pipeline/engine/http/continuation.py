@@ -100,9 +100,7 @@ class TraceContinuation:
         at = budget_cut(prompt_ids, output_ids, t.start, t.end, req.reasoning_budget)
         if at is None:
             return None
-        head = output_ids[:at] + t.notice + t.closing
-        if req.max_tokens is not None:
-            head = head[: req.max_tokens]
+        head = t.head(output_ids, at, req.max_tokens)
         left = None if req.max_tokens is None else req.max_tokens - len(head)
         return Cut(list(prompt_ids), head, min(at, len(head)), left)
 

@@ -13,6 +13,7 @@ from its trace, the notice and the end tag, so the model reads the notice and an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,11 @@ class ThinkingIds:
         """The tags and the notice as the model's tokenizer encodes them."""
         ids = [tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
         return cls(*ids, notice=tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
+
+    def head(self, output_ids: Sequence[int], cut: int, cap: int | None) -> list[int]:
+        """What the answer of a trace cut at ``cut`` goes on from: the trace up to the cut, the
+        notice and the closing tags, within ``cap`` output tokens (None: no cap)."""
+        return (list(output_ids[:cut]) + self.notice + self.closing)[:cap]
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Stepper:
         cut = budget_cut(flight.prompt_ids, answer.token_ids, t.start, t.end, budget) if t and budget else None
         if cut is None:
             return False
-        head = (answer.token_ids[:cut] + t.notice + t.closing)[: params.max_tokens]
+        head = t.head(answer.token_ids, cut, params.max_tokens)
         flight.head = head
         flight.head_text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
         if answer.logprobs is not None:  # the forced notice and end tag were never sampled
