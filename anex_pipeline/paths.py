@@ -4,6 +4,8 @@ package but the settings, so any layer can ask where a folder is."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from anex_pipeline import settings
@@ -47,3 +49,13 @@ def dagster_home() -> Path:
     """The command line's Dagster instance folder: ``$DAGSTER_HOME``, else ``dagster_home`` in the
     cache folder."""
     return Path(settings.DAGSTER_HOME.get() or cache_root() / "dagster_home")
+
+
+def private_problem(path: Path, st: os.stat_result) -> str | None:
+    """What makes a folder or file of the pipeline's (``path``, as ``st`` describes it) unfit to be
+    trusted by this user: another user's, or writable by others; None when it is this user's alone."""
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} may be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None

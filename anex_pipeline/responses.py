@@ -137,8 +137,6 @@ def response_object(completion: dict[str, Any], request: dict[str, Any]) -> dict
     )
     usage = completion["usage"]
     created = completion.get("created", int(time.time()))
-    fmt = (request.get("text") or {}).get("format") or {"type": "text"}
-    effort = (request.get("reasoning") or {}).get("effort")
     return {
         "id": f"resp_{rid}",
         "object": "response",
@@ -149,17 +147,10 @@ def response_object(completion: dict[str, Any], request: dict[str, Any]) -> dict
         "error": None,
         "model": completion["model"],
         "output": output,
-        "instructions": request.get("instructions"),
-        "max_output_tokens": request.get("max_output_tokens"),
-        "temperature": request.get("temperature"),
-        "top_p": request.get("top_p"),
-        "text": {"format": fmt},
-        "reasoning": {"effort": effort, "summary": None} if effort is not None else None,
+        **echo(request),
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],
-        "metadata": request.get("metadata"),
-        "user": request.get("user"),
         "store": False,
         "background": False,
         "previous_response_id": None,
@@ -178,6 +169,30 @@ def response_object(completion: dict[str, Any], request: dict[str, Any]) -> dict
             "total_tokens": usage["total_tokens"],
         },
     }
+
+
+def echo(request: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Responses object that repeat its request's settings, as OpenAI's do."""
+    effort = (request.get("reasoning") or {}).get("effort")
+    return {
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "temperature": request.get("temperature"),
+        "top_p": request.get("top_p"),
+        "text": {"format": (request.get("text") or {}).get("format") or {"type": "text"}},
+        "reasoning": {"effort": effort, "summary": None} if effort is not None else None,
+        "metadata": request.get("metadata"),
+        "user": request.get("user"),
+    }
+
+
+def uncached(usage: dict[str, Any]) -> dict[str, Any]:
+    """A response's usage (chat, completions or Responses) with no prompt tokens served from a cache."""
+    usage = dict(usage)
+    for group, name in (("prompt_tokens_details", "cached_tokens"), ("input_tokens_details", "cached_tokens")):
+        if isinstance(usage.get(group), dict) and name in usage[group]:
+            usage[group] = {**usage[group], name: 0}
+    return usage
 
 
 def _detail(usage: dict[str, Any], group: str, name: str) -> int:

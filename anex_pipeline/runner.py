@@ -81,11 +81,13 @@ class JobRunner:
         options_file: str | None = None,
         results_in: Path | None = None,
         stop: Callable[[], None] | None = None,
+        answer_scope: str = "",
     ) -> JobDir:
         """Checks the input (raising JobRejected) and registers the job's partition; ``options_file``
         is where ``raw_options`` were read from, if from a file; ``results_in``: a folder of the
-        work root where the caller keeps the results itself; ``stop`` can end the check early (both:
-        see :func:`~anex_pipeline.stages.submit.prepare_job`).
+        work root where the caller keeps the results itself; ``stop`` can end the check early;
+        ``answer_scope``: whose stored answers the job may share (all three: see
+        :func:`~anex_pipeline.stages.submit.prepare_job`).
 
         The job's lease is taken as soon as its id is known, before its folder is read: a prune or
         delete that started earlier either ends first or leaves the job alone."""
@@ -113,6 +115,7 @@ class JobRunner:
                 results_in=results_in,
                 stop=stop,
                 claim=claim,
+                answer_scope=answer_scope,
             )
         except BaseException:  # a refused job is not driven by anyone: let go of a lease taken for it
             for job_id in claimed:

@@ -295,6 +295,9 @@ class JobReport(BaseModel):
     reused_answer_rows: int = 0
     # Rows answered with the answer an earlier job of the work folder generated (option answer_store).
     reused_from_earlier_jobs: int = 0
+    # Answers of the answer store that could not be read back (damaged or not written by the
+    # pipeline): each was removed, and its row generated as without the store.
+    unreadable_stored_answers: int = 0
     # Rows whose answer is the one the length-estimation sample already generated.
     reused_sample_rows: int = 0
     # Rows per model they asked for (the base model and each adapter), when the job has adapters.

@@ -6,14 +6,15 @@ generated for the row itself.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
-
-import diskcache
 
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
-from anex_pipeline.spec import JobReport
-from anex_pipeline.stages.generate_answer_book import fingerprint
+from anex_pipeline.responses import response_object
+from anex_pipeline.spec import JobReport, RowOutcome
+from anex_pipeline.stages.generate_answer_book import copy_for, fingerprint
 from anex_pipeline.testing import shared_fake_engine
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, run_job, write_jsonl
 
@@ -76,8 +77,9 @@ def test_a_refused_row_is_not_booked_and_its_twins_share_the_refusal(fake_runner
 
     assert report.request_counts.failed == 3
     assert all(r["response"]["status_code"] == 400 for r in read_jsonl(out))
-    with diskcache.Cache(str(fake_runner.storage.job(report.job_id).root / "answers")) as book:
-        assert len(book) == 0
+    book = fake_runner.storage.job(report.job_id).root / "answers" / "answers.sqlite3"
+    with sqlite3.connect(book) as db:
+        assert db.execute("SELECT count(*) FROM answers").fetchone() == (0,)
 
 
 def test_fingerprint_sees_every_difference_that_shapes_the_answer() -> None:
@@ -113,3 +115,42 @@ def test_reuse_can_be_switched_off(fake_runner, tmp_path: Path) -> None:
     _, generated, _ = _run(fake_runner, tmp_path, rows, {"reuse_answers": False})
 
     assert sorted(generated) == ["n0", "n1", "n2"]
+
+
+def test_a_copy_is_made_now_with_its_own_echo_and_no_cached_tokens() -> None:
+    """A copied answer tells nothing of the row that was generated: not when (its ``created``),
+    not what of its prompt a cache held, nor (a Responses object) the settings its request echoed."""
+    completion = {
+        "id": "chatcmpl-first",
+        "object": "chat.completion",
+        "created": 1_000,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "4471"}, "finish_reason": "stop"}],
+        "usage": {
+            "prompt_tokens": 9,
+            "completion_tokens": 1,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 8},
+        },
+    }
+    first_request = {
+        "input": "contract?",
+        "instructions": "You are the first tenant's assistant.",
+        "metadata": {"t": "a"},
+    }
+    stored = RowOutcome(0, "a", 200, body=response_object(completion, first_request), usage={"cached_prompt_tokens": 8})
+    own = {"input": [{"role": "user", "content": "contract?"}], "metadata": {"t": "b"}}
+    req = EngineRequest(index=3, key="b", request_id="idb", endpoint="chat", body={}, respond=own)
+
+    before = int(time.time())
+    body = copy_for(stored, req).body
+    assert body is not None and body["id"] == "resp_idb" and body["output"][0]["id"] == "msg_idb"
+    assert body["created_at"] >= before and body["completed_at"] == body["created_at"]
+    assert body["instructions"] is None and body["metadata"] == {"t": "b"}
+    assert body["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert copy_for(stored, req).usage["cached_prompt_tokens"] == 0
+
+    chat = copy_for(RowOutcome(0, "a", 200, body=completion), EngineRequest(3, "b", "idb", "chat", {}))
+    assert chat.body is not None and chat.body["created"] >= before and chat.body["id"] == "chatcmpl-idb"
+    assert chat.body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert completion["created"] == 1_000, "the stored answer itself is left as it was"

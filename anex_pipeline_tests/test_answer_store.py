@@ -6,6 +6,10 @@ pruned with the jobs and turned off by ``answer_store: false``."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import pickle
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +222,140 @@ def test_another_engine_or_model_has_another_identity(changed: dict[str, Any]) -
     assert engine_identity(EngineConfig(memory_share=0.5, kv_cache_gib=3), manifest_for(CHAT)) == base, (
         "sizing alone shapes no answer"
     )
+
+
+# -- a store that others wrote ----------------------------------------------------------------------
+
+
+class Touches:
+    """A pickle that runs ``touch`` when unpickled: what a stored answer must never be able to do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_unreadable_stored_answers_are_dropped_counted_and_generated_again(
+    tmp_path: Path, fake_runner: JobRunner
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    run(fake_runner, src, tmp_path / "a.jsonl")
+    ran = tmp_path / "code-ran"
+    damage = [
+        b"\x80\x04garbage that is no JSON",
+        pickle.dumps("a pickled string"),
+        json.dumps({"key": "r2", "status_code": 200}).encode(),  # a record without its row index
+        pickle.dumps(Touches(ran)),
+        json.dumps("a JSON string").encode(),
+    ]
+    table = tmp_path / "work" / "answer-store" / "answers.sqlite3"
+    with sqlite3.connect(table) as db:
+        keys = [key for (key,) in db.execute("SELECT key FROM answers ORDER BY key")]
+        assert len(keys) == 6
+        for key, value in zip(keys, damage, strict=False):
+            db.execute("UPDATE answers SET value = ? WHERE key = ?", (value, key))
+
+    reports = []
+    generated = generated_during(
+        lambda: reports.append(run(fake_runner, src, tmp_path / "b.jsonl", {"checkpoint_rows": 100}))
+    )
+    report = reports[0]
+    assert report.status == "completed" and report.request_counts.completed == 6
+    assert len(generated) == 5 and report.reused_from_earlier_jobs == 1
+    assert report.unreadable_stored_answers == 5
+    assert not ran.exists(), "a stored pickle ran code"
+    with sqlite3.connect(table) as db:  # the damaged answers were replaced by the new ones
+        values = [v for (v,) in db.execute("SELECT value FROM answers")]
+    assert len(values) == 6 and all(json.loads(v)["status_code"] == 200 for v in values)
+
+
+def test_a_store_folder_others_can_write_is_not_used(
+    tmp_path: Path, fake_runner: JobRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows(4))
+    run(fake_runner, src, tmp_path / "a.jsonl")
+    folder = tmp_path / "work" / "answer-store"
+    folder.chmod(0o777)
+    try:
+        with caplog.at_level(logging.WARNING):
+            generated = generated_during(lambda: run(fake_runner, src, tmp_path / "b.jsonl", {"checkpoint_rows": 9}))
+    finally:
+        folder.chmod(0o700)
+    assert len(generated) == 4, "no answer came from a folder anyone may write"
+    assert any("may be written by other users (mode 0777)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_store_left_by_an_earlier_version_is_removed_and_never_read(tmp_path: Path) -> None:
+    folder = tmp_path / "answer-store"
+    (folder / "a1").mkdir(parents=True)
+    (folder / "a1" / "big.val").write_bytes(pickle.dumps({"answer": 1}))
+    (folder / "cache.db").write_bytes(b"SQLite format 3\x00 an old store")
+    store = AnswerStore(tmp_path, "engine", "job")
+    store.close()
+    assert (folder / "answers.sqlite3").is_file()
+    assert not (folder / "a1").exists() and not (folder / "cache.db").exists()
+
+
+# -- what the identity leaves out ------------------------------------------------------------------
+
+# EngineConfig fields that shape no answer: how the engine is sized or run, or where its client
+# sends rows (base_url is in the identity: another server may serve another build of the model).
+NOT_ANSWER_SHAPING = {
+    "memory_share": 0.5,
+    "kv_cache_gib": 3,
+    "core_in_process_rows": 256,
+    "api_key": "another-key",
+    "max_concurrency": 7,
+    "timeout_s": 5.0,
+}
+ANSWER_SHAPING = {
+    "kind": "http",
+    "dtype": "float32",
+    "max_model_len": 512,
+    "engine_args": {"quantization": "fp8"},
+    "base_url": "http://127.0.0.1:9",
+}
+# The engine's adapters join each job's own at submit: they reach the identity through the job.
+THROUGH_THE_JOB = {"lora_modules"}
+
+
+def test_every_engine_setting_is_known_to_shape_the_answers_or_not() -> None:
+    assert set(NOT_ANSWER_SHAPING) | set(ANSWER_SHAPING) | THROUGH_THE_JOB == set(EngineConfig.model_fields)
+
+
+@pytest.mark.parametrize("name", sorted(ANSWER_SHAPING))
+def test_settings_that_shape_answers_are_in_the_identity(name: str) -> None:
+    base = engine_identity(EngineConfig(), manifest_for(CHAT))
+    assert engine_identity(EngineConfig(**{name: ANSWER_SHAPING[name]}), manifest_for(CHAT)) != base
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ANSWER_SHAPING))
+def test_settings_that_shape_no_answer_are_left_out_of_the_identity(name: str) -> None:
+    base = engine_identity(EngineConfig(), manifest_for(CHAT))
+    assert engine_identity(EngineConfig(**{name: NOT_ANSWER_SHAPING[name]}), manifest_for(CHAT)) == base
+
+
+def test_jobs_either_side_of_the_in_process_core_limit_share_answers() -> None:
+    """A job of 300 rows and a rerun of 200 of them: vLLM's engine core runs in the command's
+    process for one and in processes of its own for the other, which changes no answer."""
+    config = EngineConfig(core_in_process_rows=256)
+    big, small = manifest_for(CHAT), manifest_for(CHAT)
+    big.total_rows, small.total_rows = 300, 200
+    assert engine_identity(config, big) == engine_identity(config, small)
+
+
+def test_a_store_scope_shares_no_answer_with_another(tmp_path: Path) -> None:
+    outcome = RowOutcome(0, "k", 200, body={"answer": 1})
+    alice = AnswerStore(tmp_path, "engine", "job-a", scope="alice")
+    alice.add([("fp", outcome)])
+    bob, alice_again = (
+        AnswerStore(tmp_path, "engine", "job-b", scope="bob"),
+        AnswerStore(tmp_path, "engine", "j", scope="alice"),
+    )
+    try:
+        assert bob.get("fp") is None and alice_again.get("fp") is not None
+    finally:
+        for store in (alice, bob, alice_again):
+            store.close()

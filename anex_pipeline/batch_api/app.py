@@ -390,6 +390,7 @@ def create_app(
     warm_up: bool = True,
     max_completion_window_s: int | None = None,
     max_job_tokens: int | None = None,
+    parsers: dict[str, str] | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
@@ -402,7 +403,9 @@ def create_app(
     ``max_completion_window_s`` cuts every batch's completion window to that many seconds: a
     batch still running at the end of its window ends ``expired``. ``max_job_tokens`` is the most
     output tokens one batch's rows may ask for together (None: the budget of every job,
-    MAX_JOB_TOKENS); a batch may set a lower budget of its own."""
+    MAX_JOB_TOKENS); a batch may set a lower budget of its own. ``parsers``: the reasoning and
+    tool-call parsers of every batch, by job option name (``reasoning_parser``, ``tool_parser``);
+    unset, each is chosen from the model, and a batch may not name one."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -413,7 +416,7 @@ def create_app(
             "(none are stored from an earlier start)"
         )
     worker = BatchWorker(runner, store, max_running_batches)
-    served = ServedModels(models, adapters=list(runner.engine.lora_modules))
+    served = ServedModels(models, adapters=list(runner.engine.lora_modules), parsers=parsers)
     api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s, max_job_tokens)
     store.keep_events = webhook is not None
     sender = WebhookSender(store, webhook) if webhook is not None else None
@@ -425,7 +428,7 @@ def create_app(
             sender.start()
         worker.start()
         if warm_up:
-            worker.warm_up(served.names[0] if served.names else None)
+            worker.warm_up(served.names[0] if served.names else None, served.parsers)
         yield
         if sender is not None:  # its pending events wait, stored, for the next start
             await run_in_threadpool(sender.close)

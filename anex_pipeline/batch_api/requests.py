@@ -52,8 +52,13 @@ MAX_SYSTEM_PROMPT_BYTES = 256 * 1024  # the job option system_prompt, in UTF-8
 MEDIA_LIMITS = ("max_bytes", "timeout_s", "per_host_connections", "max_retries")  # a caller may only lower these
 
 
+# Job options that shape the engine every batch shares, and the ``serve`` flag that sets each.
+ENGINE_OPTIONS = {"reasoning_parser": "--reasoning-parser", "tool_parser": "--tool-parser"}
+
+
 class ServedModels:
-    """The models a service runs batches on, chosen by its operator (``serve --model``, repeatable).
+    """The models a service runs batches on, chosen by its operator (``serve --model``, repeatable),
+    and how its engine runs them (``serve --reasoning-parser``, ``--tool-parser``, ``--lora-modules``).
 
     A batch may name one of them (in its options or the body field ``model``); one that names
     none runs the first. Without a list, the service serves the models a job gets when it names
@@ -61,11 +66,14 @@ class ServedModels:
     ``--base-url``, whatever the server serves). Names are compared as the pipeline resolves
     them (``SmolLM2-135M-Instruct`` is the bundled model's full id), never looked up on disk or
     on the hub: every other name gets the same refusal, whatever it is, so a model name cannot
-    probe the server's files, nor make the shared engine load another model."""
+    probe the server's files, nor make the shared engine load another model. Whatever else shapes
+    the engine (its parsers, its adapters) is the operator's too: a batch that asks for other ones
+    is refused, so no batch can make the engine load again under other settings."""
 
-    def __init__(self, names: Sequence[str] = (), adapters: Sequence[str] = ()):
+    def __init__(self, names: Sequence[str] = (), adapters: Sequence[str] = (), parsers: dict[str, str] | None = None):
         self.names = tuple(names)
         self.adapters = tuple(sorted(adapters))  # the operator's LoRA adapters (serve --lora-modules)
+        self.parsers = {k: v for k, v in (parsers or {}).items() if v is not None}  # see ENGINE_OPTIONS
         self._served = {_reference(n) for n in self.listed()}
         if self.names:
             served = f"it serves {', '.join(self.names)}; a batch that names no model runs {self.names[0]}"
@@ -80,6 +88,24 @@ class ServedModels:
         """The names ``GET /v1/models`` lists: the operator's, else the default models, then the
         adapters."""
         return (self.names or (DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL)) + self.adapters
+
+    def check_engine_options(self, options: dict[str, Any]) -> None:
+        """A 400 for a batch whose options ask the engine to be other than the operator set it up
+        (see :meth:`check_adapters`, :data:`ENGINE_OPTIONS`); the operator's parsers are set in
+        ``options``."""
+        self.check_adapters(options)
+        for name, flag in ENGINE_OPTIONS.items():
+            ours, asked = self.parsers.get(name), options.get(name)
+            if asked is not None and asked != ours:
+                runs = f"runs {ours}" if ours is not None else "chooses it from the model"
+                raise ApiError(
+                    400,
+                    f"{name} is set by this service's operator (serve {flag}) for every batch, since batches share "
+                    f"one engine; this service {runs}: leave {OPTIONS_METADATA_KEY}.{name} out.",
+                    param=f"{OPTIONS_METADATA_KEY}.{name}",
+                )
+            if ours is not None:
+                options[name] = ours
 
     def check_adapters(self, options: dict[str, Any]) -> None:
         """A 400 for a batch that brings adapters of its own (``lora_modules``: a path of the
@@ -168,7 +194,7 @@ def batch_options(
             raise ApiError(400, f"{exc}.", param=f"metadata.{OPTIONS_METADATA_KEY}", code=exc.code) from None
     options.update(body.anex_options or {})
     check_option_sizes(options)
-    models.check_adapters(options)
+    models.check_engine_options(options)
     options["media"] = narrowed_media(options.get("media"), media)
     budget = options.get("max_job_tokens")
     if type(budget) is int and budget > max_job_tokens:

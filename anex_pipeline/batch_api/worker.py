@@ -6,8 +6,10 @@ together are checked together, not one after another), and ``max_running`` threa
 batches through ``JobRunner.run`` on the instance (estimate, shards, merge as Dagster
 runs), all on the one loaded engine, which batches their rows together and gives each API key an
 even share of its room (:mod:`anex_pipeline.engine.sharing`): a small batch does not wait behind a
-large one. Batches of another model wait until the running ones are done, since an engine holds
-one model. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
+large one. Both kinds of thread take batches fairly between keys, and one key never holds them all
+(:mod:`anex_pipeline.batch_api.fair_queue`). Batches that need another engine (another model, or
+the same model as an embedding model) wait until the running ones are done, since one engine is
+loaded at a time. A cancel asks the job to stop (:mod:`anex_pipeline.stopping`), which
 generation notices at its next engine step: the rows in flight are aborted, the finished ones are
 delivered, and every row that never ran is answered in the error file with ``batch_cancelled``
 (``batch_expired`` when its completion window, or the job's time limit, ended first: the
@@ -26,17 +28,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.batch_api.fair_queue import FairQueue
 from anex_pipeline.batches.objects import BatchError, BatchRecord, now
 from anex_pipeline.batches.store import Store
+from anex_pipeline.engine.loader import engine_key
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
@@ -70,11 +73,11 @@ class BatchWorker:
             raise ValueError(f"batches in progress at once must be at least 1, got {max_running}")
         self.runner = runner
         self.store = store
-        self._checks: queue.Queue[str | None] = queue.Queue()
-        self._runs: queue.Queue[str | None] = queue.Queue()
+        self._checks = FairQueue(max_running)
+        self._runs = FairQueue(max_running)
         self._closing = threading.Event()
         self._running: dict[str, JobDir] = {}  # batch id -> its job, while it generates
-        self._models: Counter[str] = Counter()  # model -> batches running it
+        self._engines: Counter[Hashable] = Counter()  # engine (see engine_key) -> batches running on it
         self._checking: dict[str, threading.Event] = {}  # batch id -> set to cut its check short
         self._turn = threading.Condition()  # guards the three
         self._checkers = [
@@ -97,10 +100,11 @@ class BatchWorker:
         for thread in self._threads:
             thread.start()
 
-    def warm_up(self, model: str | None) -> None:
-        """Starts loading the engine of ``model`` (None: the bundled chat model) in the background,
-        so that the service is ready (``GET /health``) before the first batch arrives. A load that
-        fails is logged; the first batch that needs the engine tries again and fails with the reason."""
+    def warm_up(self, model: str | None, parsers: dict[str, str]) -> None:
+        """Starts loading the engine of ``model`` (None: the bundled chat model) with the service's
+        ``parsers`` (job options) in the background, so that the service is ready (``GET /health``)
+        before the first batch arrives. A load that fails is logged; the first batch that needs the
+        engine tries again and fails with the reason."""
         reference, name = resolve_model(model, "chat")
         manifest = JobManifest(
             job_id="serve-warm-up",
@@ -114,6 +118,7 @@ class BatchWorker:
             model_name=name,
             options={
                 **({} if model is None else {"model": model}),
+                **parsers,
                 **({"lora_modules": adapters} if (adapters := self.runner.engine.lora_modules) else {}),
             },
             total_rows=0,
@@ -126,10 +131,8 @@ class BatchWorker:
         """Stops the running jobs (they resume on the next start) and waits for them, unless one
         is waiting for an engine load, which nothing can cut short."""
         self._wind_down()
-        for _ in self._checkers:
-            self._checks.put(None)
-        for _ in self._runners:
-            self._runs.put(None)
+        self._checks.close()
+        self._runs.close()
         for thread in self._threads:
             if thread.is_alive() and engine_loading():
                 log.warning("closing while the engine loads: not waiting for it")
@@ -150,7 +153,7 @@ class BatchWorker:
             request_stop(job, SERVICE_STOPPED)
 
     def enqueue(self, record: BatchRecord) -> None:
-        (self._checks if record.job_id is None else self._runs).put(record.id)
+        (self._checks if record.job_id is None else self._runs).put(record.owner, record.id)
 
     def cancel(self, record: BatchRecord) -> BatchRecord:
         """Marks the batch cancelling and asks its job (if it has one yet) to stop, or its check
@@ -224,8 +227,9 @@ class BatchWorker:
         return dict(by_status), waiting
 
     # -- the threads -------------------------------------------------------------------------
-    def _loop(self, jobs: queue.Queue[str | None], work: Callable[[str], None]) -> None:
-        while (batch_id := jobs.get()) is not None and not self._closing.is_set():
+    def _loop(self, jobs: FairQueue, work: Callable[[str], None]) -> None:
+        while (taken := jobs.get()) is not None and not self._closing.is_set():
+            owner, batch_id = taken
             try:
                 work(batch_id)
             except Exception as exc:  # a batch's failure must not end the worker
@@ -233,6 +237,8 @@ class BatchWorker:
                 # The service's own faults name its files: the tenant gets the line, the log the rest.
                 why = exc.message if isinstance(exc, AnexError) else "an error in the service (its log has the details)"
                 self._fail(batch_id, f"the batch could not be run: {why}")
+            finally:
+                jobs.done(owner)
 
     def _check(self, batch_id: str) -> None:
         cut = threading.Event()
@@ -265,6 +271,7 @@ class BatchWorker:
                 record.options,
                 results_in=self.store.root,
                 stop=stop,
+                answer_scope=record.owner,  # a tenant's stored answers are its own
             )
         except JobStopped:
             if not self._closing.is_set():
@@ -282,7 +289,7 @@ class BatchWorker:
         )
         if record.cancelling_at is not None:  # cancelled while it was being checked
             request_stop(job, CANCELLED)
-        self._runs.put(batch_id)
+        self._runs.put(record.owner, batch_id)
 
     def _run(self, batch_id: str) -> None:
         record = self.store.batch(batch_id)
@@ -292,8 +299,8 @@ class BatchWorker:
         if not job.exists():
             self._check_again(record)
             return
-        model = record.model or job.manifest().model_name
-        if not self._take_turn(batch_id, job, model):
+        engine = engine_key(self.runner.engine.plain(), job.manifest())
+        if not self._take_turn(batch_id, job, engine):
             return
         try:
             # A stop left by an earlier start must not stop this run, but a cancel from now on
@@ -310,8 +317,8 @@ class BatchWorker:
         finally:
             with self._turn:
                 del self._running[batch_id]
-                self._models[model] -= 1
-                self._models += Counter()  # drops models no batch runs any more
+                self._engines[engine] -= 1
+                self._engines += Counter()  # drops engines no batch runs on any more
                 self._turn.notify_all()
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
             self.runner.run(job, shards=[], clear_stop=False, until=_window_end(record))
@@ -326,17 +333,17 @@ class BatchWorker:
             return
         log.warning("batch %s: its job %s is gone; checking and running it again", record.id, record.job_id)
         self.store.update_batch(record.id, job_id=None, in_progress_at=None)
-        self._checks.put(record.id)
+        self._checks.put(record.owner, record.id)
 
-    def _take_turn(self, batch_id: str, job: JobDir, model: str) -> bool:
-        """Waits until no batch of another model runs (one engine holds one model at a time),
-        then counts the batch as running; False when the service closes first."""
+    def _take_turn(self, batch_id: str, job: JobDir, engine: Hashable) -> bool:
+        """Waits until no batch runs on another engine (one is loaded at a time), then counts the
+        batch as running on ``engine``; False when the service closes first."""
         with self._turn:
-            self._turn.wait_for(lambda: self._closing.is_set() or set(self._models) <= {model})
+            self._turn.wait_for(lambda: self._closing.is_set() or set(self._engines) <= {engine})
             if self._closing.is_set():
                 return False
             self._running[batch_id] = job
-            self._models[model] += 1
+            self._engines[engine] += 1
             return True
 
     def _finalize(self, record: BatchRecord, job: JobDir) -> None:

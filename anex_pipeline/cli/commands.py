@@ -332,6 +332,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if why := model_unavailable(name):
                 raise UsageError(f"--model: {why}")
     webhook = _webhook(args)
+    parsers = {"reasoning_parser": args.reasoning_parser, "tool_parser": args.tool_parser}
+    if args.reasoning_parser or args.tool_parser:
+        from anex_pipeline.engine.parsing import ParserChoiceError, check_parser_names  # imports vLLM
+
+        try:
+            check_parser_names(args.reasoning_parser, args.tool_parser)
+        except ParserChoiceError as exc:
+            raise UsageError(f"--reasoning-parser/--tool-parser: {exc}") from None
     runner = _runner(args)
     try:
         app = create_app(
@@ -343,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             webhook=webhook,
             max_completion_window_s=args.max_completion_window,
             max_job_tokens=args.max_job_tokens,
+            parsers=parsers,
         )
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None

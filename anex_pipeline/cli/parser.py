@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA adapter batches may name in body.model (local folder or HF id; repeatable); batches name "
         "adapters of this list only, never a path",
     )
+    for flag, name in (("--reasoning-parser", "reasoning"), ("--tool-parser", "tool-call")):
+        srv.add_argument(
+            flag,
+            default=None,
+            metavar="NAME",
+            help=f"vLLM's {name} parser of every batch (default: chosen from the model); batches cannot name "
+            "another, since they share the engine",
+        )
     srv.add_argument(
         "--max-running-batches",
         type=int,

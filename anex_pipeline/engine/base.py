@@ -135,6 +135,11 @@ class Engine(ABC):
         """Releases what the engine holds (its model, its connections); by default nothing."""
         return None
 
+    def wait_idle(self) -> None:
+        """Returns once no stream or run of this process is using the engine, so that it can be
+        shut down without failing their rows; by default at once."""
+        return None
+
     def let_go(self) -> None:
         """Instead of :meth:`shutdown`, for an engine that ``ends_with_process`` in a process that
         is about to end: undoes whatever would shut it down at exit; by default nothing."""

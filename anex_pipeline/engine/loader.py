@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
 from anex_pipeline import metrics
@@ -31,6 +31,7 @@ from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
     "engine_for",
+    "engine_key",
     "engine_kind",
     "load_engine",
     "machine_engine",
@@ -52,7 +53,8 @@ EngineFactory = Callable[[EngineConfig, JobManifest], Engine]
 
 def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
     """The engine for these settings, loading it on first use; other loaded models are shut down
-    first so two models never hold memory at once. An HTTP engine is only a client of its server."""
+    first so two models never hold memory at once, each once the rows other threads run on it are
+    done (a load never fails another job's rows). An HTTP engine is only a client of its server."""
     with _lock:
         if settings in _loaded and _loaded[settings].dead:
             progress.info("the engine for %s died; loading it again", _loaded[settings].model_name)
@@ -69,7 +71,7 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_KEPT_S:  # e.g. a load ahead of time
             raise EngineLoadFailed(failed[1])
         for other in list(_loaded):
-            _shutdown(_loaded.pop(other))
+            _shutdown(_loaded.pop(other), waiting=True)
         from anex_pipeline.engine.vllm.engine import VllmLocalEngine
         from anex_pipeline.engine.vllm.stepping import one_line
 
@@ -119,8 +121,11 @@ def release_engines(exiting: bool = False) -> None:
         _lock.release()
 
 
-def _shutdown(engine: Engine) -> None:
+def _shutdown(engine: Engine, waiting: bool = False) -> None:
+    """Shuts ``engine`` down; ``waiting``: once the streams using it have ended."""
     try:
+        if waiting:
+            engine.wait_idle()
         engine.shutdown()
     except Exception as exc:  # a dead engine may fail to stop cleanly; it is dropped all the same
         progress.info("shutting down %s failed: %s", engine.model_name, exc)
@@ -168,14 +173,14 @@ def _vllm_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
     return load_engine(vllm_settings(config, manifest))
 
 
-def _http_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
+def _http_settings(config: EngineConfig, manifest: JobManifest) -> HttpSettings:
     if not config.base_url:
         raise EngineLoadFailed("the http engine needs base_url: the address of an OpenAI-compatible server")
     try:
         servers = server_urls(config.base_url)
     except ValueError as exc:
         raise ValueError(f"the engine's base_url: {exc}") from None
-    settings = HttpSettings(
+    return HttpSettings(
         base_url=servers,
         model_name=manifest.model_name,
         model_named="model" in manifest.options,
@@ -184,7 +189,22 @@ def _http_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
         max_concurrency=config.max_concurrency,
         timeout_s=config.timeout_s,
     )
-    return load_engine(settings)
+
+
+def _http_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
+    return load_engine(_http_settings(config, manifest))
+
+
+def engine_key(config: EngineConfig, manifest: JobManifest) -> Hashable:
+    """What the engine a job runs on is, as far as sharing it goes: jobs of equal keys run on one
+    loaded engine at once, and a job of another key needs another engine (for the in-process
+    engine, another load in place of this one)."""
+    kind = engine_kind(config)
+    if kind == "vllm":
+        return vllm_settings(config, manifest)
+    if kind == "http":
+        return _http_settings(config, manifest)
+    return (kind, manifest.model_name, manifest.endpoint in POOLING)  # a registered engine kind
 
 
 _factories: dict[str, EngineFactory] = {"vllm": _vllm_engine, "http": _http_engine}

@@ -70,7 +70,7 @@ from anex_pipeline.engine.orphans import (
 )
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
-from anex_pipeline.paths import machine_server_dir
+from anex_pipeline.paths import machine_server_dir, private_problem
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
@@ -126,16 +126,11 @@ def private_folder(folder: Path) -> Path:
 
 
 def _check_private(path: Path, what: str, st: os.stat_result) -> None:
-    if st.st_uid != os.geteuid():
-        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = f"may be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
-    else:
-        return
-    raise UnsafeStateFolder(
-        f"the machine's model server {what} {path} {problem}, so the server it names cannot be trusted: "
-        f"make it this user's alone (chown, chmod go-w {path}) or set ANEX_MACHINE_SERVER_DIR to a private folder"
-    )
+    if (problem := private_problem(path, st)) is not None:
+        raise UnsafeStateFolder(
+            f"the machine's model server {what} {problem}, so the server it names cannot be trusted: make it "
+            f"this user's alone (chown, chmod go-w {path}) or set ANEX_MACHINE_SERVER_DIR to a private folder"
+        )
 
 
 def read_state(folder: Path) -> ServerState | None:

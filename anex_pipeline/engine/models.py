@@ -53,6 +53,14 @@ _BUNDLED_ALIASES = {
     _EMBEDDING_SHORT_NAME.lower(): "embedding",
 }
 
+
+def spellings_of(model_name: str) -> tuple[str, ...]:
+    """The names a row may give in ``body.model`` for the model a job reports as ``model_name``:
+    the name itself, and for a bundled model its short name too (as the job option takes them)."""
+    short = {DEFAULT_CHAT_MODEL: _CHAT_SHORT_NAME, DEFAULT_EMBEDDING_MODEL: _EMBEDDING_SHORT_NAME}.get(model_name)
+    return (model_name,) if short is None else (model_name, short)
+
+
 # Endpoint spellings accepted by resolve_model, mapped to the three kinds of model use.
 _ENDPOINT_KIND = {
     "chat": "chat",

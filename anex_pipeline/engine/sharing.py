@@ -44,6 +44,7 @@ class Lanes:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self._left = threading.Condition(self.lock)  # notified as lanes leave
         self._lanes: list[Lane] = []
         self._owner: dict[str, Lane] = {}
 
@@ -58,6 +59,12 @@ class Lanes:
             self._lanes.remove(lane)
             for request_id in lane.flights:
                 self._owner.pop(request_id, None)
+            self._left.notify_all()
+
+    def wait_idle(self) -> None:
+        """Returns once no lane runs on the engine (nor a batch holding its lock)."""
+        with self._left:
+            self._left.wait_for(lambda: not self._lanes)
 
     def room(self, lane: Lane, total: int) -> int:
         """Rows the lane may have in the engine: its key's even share of ``total``, split evenly

@@ -195,8 +195,12 @@ def read_chunks(
             if line is not None:
                 cid, body_json, body = line
                 ids.add(cid, number)
-                if budget is not None:
-                    budget.add(body)
+                if budget is not None and (too_much := budget.add(body)) is not None:
+                    if chunk:
+                        yield chunk
+                        chunk = []
+                    yield Problem(too_much.message, number, too_much.field, too_much.code)
+                    continue
                 if constraints is not None:
                     constraints.add(body, number)
                 chunk.append(_shard_line(index, cid, body_json))
@@ -222,8 +226,12 @@ def read_chunks(
                 yield from problems
                 continue
             ids.add(value["custom_id"], number)
-            if budget is not None:
-                budget.add(value["body"])
+            if budget is not None and (too_much := budget.add(value["body"])) is not None:
+                if chunk:
+                    yield chunk
+                    chunk = []
+                yield Problem(too_much.message, number, too_much.field, too_much.code)
+                continue
             if constraints is not None:
                 constraints.add(value["body"], number)
             chunk.append(_shard_line(index, value["custom_id"], msgspec.json.encode(value["body"])))

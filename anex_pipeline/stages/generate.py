@@ -19,7 +19,7 @@ from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
 from anex_pipeline.stages.generate_answer_book import AnswerBook, copy_for, fingerprint
-from anex_pipeline.stages.generate_answer_store import AnswerStore, note_served
+from anex_pipeline.stages.generate_answer_store import AnswerStore, note_dropped, note_served
 from anex_pipeline.stages.merge import RowTally
 from anex_pipeline.stopping import StopCheck, load_interruptibly
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -136,6 +136,7 @@ def run_shard(
         return loaded
 
     unsaved: list[RowOutcome] = []  # finished rows waiting for the next checkpoint write
+    dropped_before = store.dropped if store is not None else 0
     try:
         ordered = stream_checked(engine, feed.requests, group_rows, stop, order=options.prefix_order)
         with closing(ordered) as finishing:
@@ -159,6 +160,8 @@ def run_shard(
         finally:
             _live.pop((str(job.root), shard), None)
             feed.close()
+            if store is not None:
+                note_dropped(job, shard, store.dropped - dropped_before)
 
     owner.check()  # taken over after the last write: the shard's figures are the other run's to report
     _count(summary, job.outcomes(shard))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
 from anex_pipeline.stages.estimate import read_estimate, reusable_samples
-from anex_pipeline.stages.generate_answer_store import served_rows
+from anex_pipeline.stages.generate_answer_store import dropped_entries, served_rows
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
 
@@ -56,6 +56,7 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         output_tokens=tally.length_percentiles(),
         reused_answer_rows=tally.reused - from_earlier_jobs,  # the copies made within the job
         reused_from_earlier_jobs=from_earlier_jobs,
+        unreadable_stored_answers=dropped_entries(job, len(manifest.shards)),
         reused_sample_rows=_reused_sample_rows(job, manifest),
         rows_by_model=manifest.rows_by_model,
         served_by=read_served(job),

@@ -17,7 +17,7 @@ from typing import Any
 
 from anex_pipeline.engine.adapters import adapter_problems, row_adapter
 from anex_pipeline.engine.constraint_check import compile_problems
-from anex_pipeline.engine.models import model_unavailable, resolve_model
+from anex_pipeline.engine.models import model_unavailable, resolve_model, spellings_of
 from anex_pipeline.formats.base import Format
 from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
 from anex_pipeline.options import sidecar_of
@@ -128,7 +128,8 @@ def read_input(path: Path, options: JobOptions, priority: bool | None = None) ->
     kind = detect_format(path)
     endpoint = kind.job_endpoint(path, options)
     model, model_name = resolve_model(options.model, endpoint)
-    names = ModelNames(model_name, [options.model] if options.model else [], options.lora_modules or {})
+    spellings = [*spellings_of(model_name), *([options.model] if options.model else [])]
+    names = ModelNames(model_name, spellings, options.lora_modules or {})
     constraints = Constraints()
 
     def items() -> Iterator[Any]:
@@ -240,6 +241,7 @@ def prepare_job(
     claim: Callable[[JobDir], object] | None = None,
     adapters: dict[str, str] | None = None,
     priority: bool | None = None,
+    answer_scope: str = "",
 ) -> JobDir:
     """Checks the input, that the model can be loaded here (``local_model``; not for a job sent to
     a model server) and that the result and report locations can be written (``s3_client`` for
@@ -255,6 +257,7 @@ def prepare_job(
     is, so reruns and resumes keep their checkpoints. ``adapters``: the engine's LoRA adapters
     (its ``lora_modules``), which join a generation job's own. ``priority``: whether the engine
     schedules rows by priority (see :meth:`~anex_pipeline.engine.config.EngineConfig.schedules_by_priority`).
+    ``answer_scope``: whose stored answers the job may share (see :attr:`JobManifest.answer_scope`).
     """
     input_path = Path(input_path)
     kind, endpoint, chunks = read_input(input_path, options, priority)
@@ -338,6 +341,7 @@ def prepare_job(
         shards=ranges,
         submitted_at=time.time(),
         rows_by_model=dict(sorted(by_model.items())),
+        answer_scope=answer_scope,
     )
     atomic_write_text(job.manifest_path, manifest.model_dump_json(indent=2))
     return job

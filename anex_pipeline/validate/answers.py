@@ -15,6 +15,7 @@ from anex_pipeline.validate.numbers import (
     MAX_CHOICES,
     MAX_JOB_TOKENS,
     MAX_LOGPROBS,
+    MAX_ROW_LOGPROBS,
     MAX_ROW_TOKENS,
     UNCAPPED_ROW_TOKENS,
 )
@@ -233,10 +234,24 @@ class TokenBudget:
         self.job_cap = options.max_tokens or UNCAPPED_ROW_TOKENS
         self.asked = 0
 
-    def add(self, body: dict[str, Any]) -> None:
+    def add(self, body: dict[str, Any]) -> FieldProblem | None:
+        """Counts an accepted row; a problem when the logprobs it asks for are more than a row may
+        hold (MAX_ROW_LOGPROBS: each token's and its alternatives', over every answer, under its cap)."""
         caps = (body.get(name) for name in (*CAP_FIELDS, "max_output_tokens"))
         cap = next((c for c in caps if type(c) is int), self.job_cap)
-        self.asked += answers_asked(body) * cap
+        tokens = answers_asked(body) * cap
+        self.asked += tokens
+        logprobs = body.get("logprobs")
+        alternatives = (body.get("top_logprobs") or 0) if logprobs is True else logprobs
+        if type(alternatives) is not int or tokens * (alternatives + 1) <= MAX_ROW_LOGPROBS:
+            return None
+        field = "body.top_logprobs" if logprobs is True else "body.logprobs"
+        return FieldProblem(
+            field,
+            f"asks for the logprobs of up to {tokens:,} tokens ({answers_asked(body)} answer(s) of up to {cap:,}) "
+            f"with {alternatives} alternatives each, {tokens * (alternatives + 1):,} entries; a row may ask for at "
+            f"most {MAX_ROW_LOGPROBS:,}: lower max_tokens, n or {field.removeprefix('body.')}",
+        )
 
     def add_plain(self, rows: int) -> None:
         """Rows of one choice each under the job's cap (a Parquet file's prompts)."""

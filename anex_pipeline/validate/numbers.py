@@ -30,6 +30,11 @@ MAX_CHOICES = 128
 MAX_ROW_TOKENS = 2**20
 
 
+# The most logprob entries a row may ask for: each generated token's own and its alternatives', over
+# all its answers. The row's answer holds them all at once, so this bounds a row's memory.
+MAX_ROW_LOGPROBS = 2**21
+
+
 # The output tokens a job's rows may ask for together (see validate.answers.TokenBudget), unless
 # the job's max_job_tokens says otherwise: about a day of generation on a large GPU cluster.
 MAX_JOB_TOKENS = 2**34

@@ -8,6 +8,7 @@
         shards/<NN>/results.*     a shard's checkpoint of finished rows (its format's checkpoint_file)
         shards/<NN>/media.jsonl   the shard's rows whose media could not be fetched
         shards/<NN>/from_earlier_jobs.txt  the shard's rows answered from the answer store
+        shards/<NN>/store_dropped.txt      unreadable stored answers the shard's look-ups removed
         estimate.json             the output-length estimate
         estimate_sample.jsonl     the rows generated for the estimate
         answers/                  the answer book (one answer for identical deterministic rows)
@@ -37,6 +38,7 @@ STAGING = "rows.staging"
 SHARDS_DIR = "shards"
 MEDIA_FAILURES = "media.jsonl"
 FROM_EARLIER_JOBS = "from_earlier_jobs.txt"  # a shard's rows answered from the answer store
+STORE_DROPPED = "store_dropped.txt"  # unreadable answers the shard found in the answer store
 ESTIMATE = "estimate.json"
 ESTIMATE_SAMPLE = "estimate_sample.jsonl"
 ANSWERS_DIR = "answers"

@@ -56,6 +56,9 @@ class JobManifest(BaseModel):
     shards: list[ShardRange]
     submitted_at: float
     rows_by_model: dict[str, int] = {}  # rows per model asked for (base and adapters); jobs with adapters only
+    # Whose answers the job may share through the work folder's answer store: "" for everyone who
+    # uses the folder; a shared service's tenant (the hash of its API key) otherwise.
+    answer_scope: str = ""
 
     def job_options(self) -> JobOptions:
         return JobOptions.model_validate(self.options)

@@ -23,7 +23,15 @@ class SlowFakeEngine(FakeEngine):
 
 
 SLOW_FAKE = "slow-fake"  # the engine kind of this fake
-register_engine(SLOW_FAKE, lambda config, manifest: SlowFakeEngine(manifest.model_name))
+_slow: dict[str, SlowFakeEngine] = {}
+
+
+def slow_fake_engine(model_name: str) -> SlowFakeEngine:
+    """The process's slow fake engine of a model, as jobs of the kind SLOW_FAKE get it."""
+    return _slow.setdefault(model_name, SlowFakeEngine(model_name))
+
+
+register_engine(SLOW_FAKE, lambda config, manifest: slow_fake_engine(manifest.model_name))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ class VllmLocalEngine(Engine):
     def report_section(self) -> dict[str, Any]:
         return self._report
 
+    def wait_idle(self) -> None:
+        self.lanes.wait_idle()
+
     def shutdown(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
