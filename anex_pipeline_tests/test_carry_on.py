@@ -165,6 +165,36 @@ def test_a_failed_step_ends_the_carrying_and_the_driver_finishes_the_job(
     )
 
 
+class TerminatedWhileItRuns(FakeEngine):
+    """Generates the rows, while a Terminate of the submit run lands (as from the UI): the shard
+    step still succeeds, since its stop check never sees the signal."""
+
+    instance: dg.DagsterInstance
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        (submit_run,) = self.instance.get_runs(filters=dg.RunsFilter(job_name="submit_job"))
+        self.instance.report_run_canceling(submit_run)
+        return super().run(requests)
+
+
+_terminated = TerminatedWhileItRuns("fake-model")
+register_engine("carry-terminated", lambda config, manifest: _terminated)
+
+
+def test_a_terminate_during_a_step_that_succeeds_starts_no_further_step(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    _terminated.instance = instance
+    deployment = Deployment(build_definitions(storage_for(tmp_path), fake_engine("carry-terminated")), instance)
+    src = write_jsonl(tmp_path / "ended.jsonl", [chat_row("a", "question", max_tokens=8)])
+    instance.add_dynamic_partitions("jobs", ["ended"])
+    config = {"input": str(src), "output": str(tmp_path / "ended.out.jsonl"), "options": {}}
+    request = dg.RunRequest(partition_key="ended", run_config={"ops": {"validated_input": {"config": config}}})
+    result = deployment.execute(request, "submit_job", must_succeed=False)
+    assert not result.success, "the submit run ends as stopped, not as a success"
+    assert runs(instance) == [("submit_job", "ended", None), ("shard_job", job_shard_key("ended", 0), CARRIED_RUN)]
+
+
 @pytest.mark.subprocess
 def test_a_submit_run_killed_while_it_carries_its_job_leaves_the_job_to_the_driver(tmp_path: Path) -> None:
     home, work = tmp_path / "dagster", tmp_path / "work"

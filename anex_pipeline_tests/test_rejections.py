@@ -406,6 +406,26 @@ CASES = [
         says=("1,048,576", "n x max_tokens"),
     ),
     case(
+        "logprobs-over-a-rows-bound",
+        jsonl_bytes(GOOD, chat("r2", n=4, max_tokens=30_000, temperature=1, logprobs=True, top_logprobs=20)),
+        line=2,
+        field="body.top_logprobs",
+        says=("2,520,000", "2,097,152"),
+    ),
+    case(
+        "completions-logprobs-over-a-rows-bound",
+        jsonl_bytes(
+            {
+                "custom_id": "c1",
+                "url": "/v1/completions",
+                "body": {"prompt": "x", "max_tokens": 200_000, "logprobs": 20},
+            }
+        ),
+        line=1,
+        field="body.logprobs",
+        says=("4,200,000",),
+    ),
+    case(
         "job-over-the-default-token-budget",
         jsonl_bytes(*(chat(f"r{i}", n=128, max_tokens=8192, temperature=1) for i in range(2**14 + 1))),
         field="max_job_tokens",
