@@ -7,15 +7,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -46,73 +42,11 @@ from anex_pipeline_tests.harness.batch_api import (
 from anex_pipeline_tests.harness.commands import FAKE_CLI
 from anex_pipeline_tests.harness.jobs import write_jsonl
 from anex_pipeline_tests.harness.ports import free_port
-
-SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
-
-
-class Receiver:
-    """A webhook receiver on loopback that answers 503 to its first ``down_for`` requests."""
-
-    def __init__(self, down_for: int = 0):
-        self.down_for = down_for
-        self.requests: list[tuple[dict[str, str], bytes, int]] = []  # headers, body, the status answered
-        self.changed = threading.Condition()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                with receiver.changed:
-                    status = 503 if len(receiver.requests) < receiver.down_for else 200
-                    receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body, status))
-                    receiver.changed.notify_all()
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait_for(self, count: int, timeout: float = 60) -> None:
-        with self.changed:
-            assert self.changed.wait_for(lambda: len(self.requests) >= count, timeout), self.requests
-
-    def delivered(self) -> list[dict[str, Any]]:
-        """The events it accepted, each checked against its signature by the openai SDK."""
-        sdk = OpenAI(api_key="unused", webhook_secret=SECRET)
-        return [
-            sdk.webhooks.unwrap(body, headers).to_dict() for headers, body, status in self.requests if status == 200
-        ]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@contextmanager
-def receiving(down_for: int = 0) -> Iterator[Receiver]:
-    receiver = Receiver(down_for)
-    try:
-        yield receiver
-    finally:
-        receiver.close()
+from anex_pipeline_tests.harness.webhooks import SECRET, Receiver, no_event_pending, receiving
 
 
 def hook(receiver: Receiver) -> WebhookSettings:
     return WebhookSettings(receiver.url, SECRET, ("127.0.0.1",), retry_first_s=0.2)
-
-
-def no_event_pending(instance: dg.DagsterInstance, work_root: str, timeout: float = 30) -> None:
-    """Waits until the service has no webhook event left to send."""
-    store = Store(instance, work_root)
-    deadline = time.monotonic() + timeout
-    while store.pending_events():
-        assert time.monotonic() < deadline, store.pending_events()
-        time.sleep(0.05)
 
 
 @pytest.mark.slow
