@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from anex_pipeline.engine.adapters import adapter_problems, row_adapter
-from anex_pipeline.engine.constraint_check import compile_problems
+from anex_pipeline.engine.constraint_check import compile_problems, job_constraints
 from anex_pipeline.engine.models import model_unavailable, resolve_model, spellings_of
 from anex_pipeline.formats.base import Format
 from anex_pipeline.formats.registry import FORMATS, misnamed, sniff
@@ -25,7 +25,6 @@ from anex_pipeline.spec import MODEL_NOT_FOUND, Endpoint, InputRow, JobOptions, 
 from anex_pipeline.stages.submit_shard_plan import LEVEL_CHARS, Heads, plan_bounds
 from anex_pipeline.storage import is_s3, output_problem
 from anex_pipeline.validate import ModelNames
-from anex_pipeline.validate.answers import Constraints
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import (
     JobDir,
@@ -123,14 +122,14 @@ def detect_format(path: Path) -> Format:
 def read_input(path: Path, options: JobOptions, priority: bool | None = None) -> tuple[Format, Endpoint, Iterator[Any]]:
     """Opens an input for checking: its format, its endpoint, and its problems and chunks of
     accepted rows (in the format's own form), in input order, then the problems of regexes and
-    grammars too slow to compile. ``priority``: whether the job's engine schedules rows by
-    priority (None: not known here)."""
+    grammars too many or too slow to compile. ``priority``: whether the job's engine schedules
+    rows by priority (None: not known here)."""
     kind = detect_format(path)
     endpoint = kind.job_endpoint(path, options)
     model, model_name = resolve_model(options.model, endpoint)
     spellings = [*spellings_of(model_name), *([options.model] if options.model else [])]
     names = ModelNames(model_name, spellings, options.lora_modules or {})
-    constraints = Constraints()
+    constraints = job_constraints()
 
     def items() -> Iterator[Any]:
         yield from kind.read_chunks(path, endpoint, names, options, priority, constraints)

@@ -5,6 +5,8 @@ tool calls, ``n`` choices and logprobs."""
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Iterator
 from typing import Any
 
 from anex_pipeline.request_fields import (
@@ -140,20 +142,40 @@ COMPILE_CHECKED = ("regex", "grammar")  # besides their size, their compile time
 class Constraints:
     """The regexes and grammars a job's accepted rows give vLLM to compile, each once with the
     lines that ask for it; the file readers add each row they accept, and the submit step times
-    their compiles (:mod:`anex_pipeline.engine.constraint_check`)."""
+    their compiles (:mod:`anex_pipeline.engine.constraint_check`).
 
-    def __init__(self) -> None:
+    With ``most``, only the first ``most`` distinct ones are kept: a line asking for another is
+    counted in :attr:`past_most` (its line and kind, compactly, as a huge file may hold millions),
+    and its text is not kept."""
+
+    def __init__(self, most: int | None = None) -> None:
         self.lines: dict[tuple[str, str], list[int]] = {}
+        self.most = most
+        self._past_lines = array("q")
+        self._past_kinds = bytearray()  # the position in COMPILE_CHECKED of each one's kind
 
     def add(self, body: dict[str, Any], line: int) -> None:
         spec = body.get("structured_outputs")
         if type(spec) is dict:
             for kind in COMPILE_CHECKED:
                 if type(text := spec.get(kind)) is str:
-                    self.lines.setdefault((kind, text), []).append(line)
+                    lines = self.lines.get((kind, text))
+                    if lines is None and self.most is not None and len(self.lines) >= self.most:
+                        self._past_lines.append(line)
+                        self._past_kinds.append(COMPILE_CHECKED.index(kind))
+                    elif lines is None:
+                        self.lines[(kind, text)] = [line]
+                    else:
+                        lines.append(line)
+
+    def past_most(self) -> Iterator[tuple[int, str]]:
+        """The lines (and their kind) asking for a regex or grammar past the first ``most``
+        distinct ones, in file order."""
+        for line, kind in zip(self._past_lines, self._past_kinds, strict=True):
+            yield line, COMPILE_CHECKED[kind]
 
     def __bool__(self) -> bool:
-        return bool(self.lines)
+        return bool(self.lines) or bool(self._past_lines)
 
 
 def check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:
