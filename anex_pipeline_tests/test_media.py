@@ -9,7 +9,9 @@ import copy
 import errno
 import itertools
 import os
+import pickle
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -682,3 +684,42 @@ def test_every_connection_passes_the_address_guard(
     assert str(caught.value).startswith(f"media {url} could not be fetched: {via}{says}")
     assert time.monotonic() - started < 1.0
     assert forbidden.total_hits() == 0
+
+
+def test_a_pickle_written_into_the_cache_is_never_loaded(
+    server: MediaServer, media_cache: Path, tmp_path: Path
+) -> None:
+    """Whoever can write the cache's database could store a pickle under a URL; the cache never
+    writes one, so one found there is refused and the media downloaded again."""
+    url = server.url("/sound.wav")
+    with MediaFetcher(allowing(server)) as fetcher:
+        fetcher.fetch(url)
+    ran = tmp_path / "code-ran"
+    forged = pickle.dumps(Touches(ran))
+    with sqlite3.connect(media_cache / "cache.db") as db:
+        assert db.execute("UPDATE Cache SET mode = 4, value = ?, filename = NULL WHERE key = ?", (forged, url)).rowcount
+    with MediaFetcher(allowing(server)) as again:
+        assert again.fetch(url).size == len(WAV)
+    assert not ran.exists() and server.hits["/sound.wav"] == 2  # diskcache takes the refusal as a miss
+
+
+def test_a_media_cache_others_may_write_is_not_used(server: MediaServer, media_cache: Path) -> None:
+    media_cache.mkdir(parents=True, exist_ok=True)
+    media_cache.chmod(0o777)
+    try:
+        with MediaFetcher(allowing(server)) as fetcher:
+            fetcher.fetch(server.url("/sound.wav"))
+    finally:
+        media_cache.chmod(0o700)
+    assert fetcher.cache is None and "may be written by other users" in (fetcher.stats.cache_problem or "")
+    assert not (media_cache / "cache.db").exists()
+
+
+class Touches:
+    """A pickle that runs ``touch`` when it is loaded."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.path}",))

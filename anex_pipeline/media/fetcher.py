@@ -46,7 +46,7 @@ from anex_pipeline.media.guard import (
 )
 from anex_pipeline.media.refs import MediaRef, fetch_problem
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
-from anex_pipeline.paths import media_cache_dir
+from anex_pipeline.paths import media_cache_dir, private_problem
 from anex_pipeline.spec import MediaOptions
 
 MAX_REDIRECTS = 5
@@ -61,6 +61,18 @@ SPOOL_IN_MEMORY_BYTES = 8 * 2**20  # a download larger than this is spooled to a
 # error") or its database locked by a write that could not finish.
 CACHE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 T = TypeVar("T")
+
+
+class _NoPickles(diskcache.Disk):
+    """diskcache's storage, refusing a value stored as a pickle. The media cache stores bytes,
+    files and numbers, never a pickle, so one found in its database was written by someone else,
+    and unpickling it would run their code: it is refused, which diskcache takes as a miss (the
+    media are downloaded again and stored over it)."""
+
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
+        if mode == diskcache.core.MODE_PICKLE:
+            raise OSError("it holds a pickled value, which it never writes (written there by someone else)")
+        return super().fetch(mode, filename, value, read)
 
 
 class MediaOutOfTime(AnexError):
@@ -135,7 +147,10 @@ class MediaFetcher:
         self._claim_s = (options.timeout_s + RETRY_AFTER_LIMIT_S) * (options.max_retries + 1 + MAX_REDIRECTS)
         self.cache: diskcache.Cache | None = None
         try:
-            self.cache = diskcache.Cache(str(self.folder), size_limit=CACHE_SIZE_LIMIT)
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if (problem := private_problem(self.folder, os.stat(self.folder))) is not None:
+                raise OSError(f"it is not used, since {problem}")
+            self.cache = diskcache.Cache(str(self.folder), size_limit=CACHE_SIZE_LIMIT, disk=_NoPickles)
         except CACHE_ERRORS as exc:
             self._cache_failed(exc)
 
