@@ -127,12 +127,12 @@ def test_a_row_may_name_the_bundled_model_by_its_short_name(tmp_path: Path, fake
 # -- threads shared fairly -------------------------------------------------------------------------
 
 
-def test_one_key_never_holds_every_thread() -> None:
-    queue = FairQueue(threads=4)
+def test_a_key_with_nothing_in_progress_always_finds_a_thread() -> None:
+    queue = FairQueue(threads=3)
     for n in range(6):
         queue.put("alice", f"a{n}")
     taken = [queue.get() for _ in range(3)]
-    assert taken == [("alice", "a0"), ("alice", "a1"), ("alice", "a2")]
+    assert taken == [("alice", "a0"), ("alice", "a1"), ("alice", "a2")], "one key alone may use every thread"
 
     got: list[Any] = []
     fourth = threading.Thread(target=lambda: got.append(queue.get()))
@@ -142,6 +142,8 @@ def test_one_key_never_holds_every_thread() -> None:
     queue.put("bob", "b0")
     fourth.join(5)
     assert got == [("bob", "b0")]
+    queue.done("alice")
+    assert queue.get() == ("alice", "a3")
 
 
 def test_the_key_with_fewest_batches_in_progress_goes_first() -> None:

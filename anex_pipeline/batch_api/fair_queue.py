@@ -1,10 +1,9 @@
 """Batches waiting for one of the service's threads, handed out fairly between API keys.
 
 The next batch taken is the oldest one of the key with the fewest batches being worked on, so a
-key's tenth batch waits behind another key's first. No key may hold every thread: with more than
-one thread, a key's batches take at most all but one of them, and the last stays free for the
-other keys' batches (the one thread a key can never take is what keeps a small batch from waiting
-behind another tenant's long checks or runs).
+key's tenth batch waits behind another key's first. ``threads`` batches are worked on at once,
+whoever sends them; one thread more is kept for a key that has nothing in progress, so a key's
+first batch never waits behind another key's long checks or runs.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from collections import Counter, deque
 
 
 class FairQueue:
-    """Batch ids by owner (the hash of the API key), for ``threads`` threads to take."""
+    """Batch ids by owner (the hash of the API key), for ``threads`` + 1 threads to take."""
 
     def __init__(self, threads: int):
-        self.per_owner = max(1, threads - 1)  # threads one key's batches may hold at once
+        self.threads = threads  # batches worked on at once; one more for a key with none in progress
         self._changed = threading.Condition()
         self._waiting: dict[str, deque[tuple[int, str]]] = {}  # owner -> (arrival, batch id), oldest first
         self._busy: Counter[str] = Counter()  # owner -> batches being worked on
@@ -28,7 +27,11 @@ class FairQueue:
     def put(self, owner: str, batch_id: str) -> None:
         with self._changed:
             self._waiting.setdefault(owner, deque()).append((next(self._arrivals), batch_id))
-            self._changed.notify()
+            self._changed.notify_all()
+
+    def _may_take(self, owner: str) -> bool:
+        busy = self._busy.total()
+        return busy < self.threads or (busy == self.threads and self._busy[owner] == 0)
 
     def get(self) -> tuple[str, str] | None:
         """Waits for a batch the caller may take and marks its owner busy with it (call
@@ -37,7 +40,7 @@ class FairQueue:
             while True:
                 if self._closed:
                     return None
-                ready = [owner for owner, queue in self._waiting.items() if self._busy[owner] < self.per_owner]
+                ready = [owner for owner in self._waiting if self._may_take(owner)]
                 if ready:
                     owner = min(ready, key=lambda o: (self._busy[o], self._waiting[o][0][0]))
                     _, batch_id = self._waiting[owner].popleft()

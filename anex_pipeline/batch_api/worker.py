@@ -82,11 +82,11 @@ class BatchWorker:
         self._turn = threading.Condition()  # guards the three
         self._checkers = [
             threading.Thread(target=self._loop, args=(self._checks, self._check), name=f"batch-check-{n}", daemon=True)
-            for n in range(max_running)
+            for n in range(max_running + 1)  # one more for a key with nothing in progress
         ]
         self._runners = [
             threading.Thread(target=self._loop, args=(self._runs, self._run), name=f"batch-run-{n}", daemon=True)
-            for n in range(max_running)
+            for n in range(max_running + 1)
         ]
         self._threads = self._checkers + self._runners
         self._saved: dict[Path, _Saved] = {}  # checkpoint -> its rows, as of its size then

@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         metavar="N",
-        help="batches generating at once, their rows batched together on the one engine (default: 4)",
+        help="batches generating at once, their rows batched together on the one engine, and one more for an API "
+        "key that has none in progress (default: 4)",
     )
     srv.add_argument(
         "--max-completion-window",
