@@ -227,7 +227,9 @@ def wait_for_carried_shard(instance: dg.DagsterInstance, process: subprocess.Pop
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-        filters = dg.RunsFilter(job_name="shard_job", tags={LAUNCHED_BY_TAG: CARRIED_RUN})
+        filters = dg.RunsFilter(
+            job_name="shard_job", tags={LAUNCHED_BY_TAG: CARRIED_RUN}, statuses=[dg.DagsterRunStatus.STARTED]
+        )
         if started := instance.get_runs(filters=filters):
             return started[0]
         time.sleep(0.2)

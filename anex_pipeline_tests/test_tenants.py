@@ -142,8 +142,17 @@ def test_a_key_with_nothing_in_progress_always_finds_a_thread() -> None:
     queue.put("bob", "b0")
     fourth.join(5)
     assert got == [("bob", "b0")]
+
+    # Alice 2 and Bob 1 in progress: taking a3 would leave no thread for a third key.
     queue.done("alice")
-    assert queue.get() == ("alice", "a3")
+    got.clear()
+    fifth = threading.Thread(target=lambda: got.append(queue.get()))
+    fifth.start()
+    fifth.join(0.2)
+    assert fifth.is_alive(), "the thread kept for a key with nothing in progress went to alice"
+    queue.done("bob")
+    fifth.join(5)
+    assert got == [("alice", "a3")]
 
 
 def test_the_key_with_fewest_batches_in_progress_goes_first() -> None:
