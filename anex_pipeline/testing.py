@@ -17,10 +17,10 @@ from anex_pipeline.engine.base import Engine, EngineRequest, rejected
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.scoring import score_pairs, scoring_response
-from anex_pipeline.media.refs import media_references
 from anex_pipeline.orchestration.resources import EngineResource
 from anex_pipeline.request_fields import PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
+from anex_pipeline.validate.media_refs import media_references
 
 
 class FakeEngine(Engine):

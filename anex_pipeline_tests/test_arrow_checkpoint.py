@@ -17,7 +17,7 @@ import pytest
 
 from anex_pipeline.formats import arrow_checkpoint, parquet
 from anex_pipeline.spec import JobOptions, RowError, RowOutcome
-from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
@@ -151,9 +151,9 @@ def test_column_wise_merge_equals_the_row_by_row_merge(
         (o.key, None if o.error else o.body["choices"][0]["message"]["content"], o.error_type)  # type: ignore[index]
         for _, o in sorted(latest.items())
     ]
-    table = pq.read_table(result_path(by_column))
+    table = pq.read_table(by_column.result_path)
     assert list(zip(*(table.column(c).to_pylist() for c in ("id", "output", "error_type")), strict=True)) == expected
-    lines = read_jsonl(result_path(by_line))
+    lines = read_jsonl(by_line.result_path)
     texts = [None if line["error"] else line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
     assert list(zip([line["custom_id"] for line in lines], texts, strict=True)) == [(k, t) for k, t, _ in expected]
 

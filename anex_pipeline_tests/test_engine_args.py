@@ -16,7 +16,7 @@ import pytest
 
 from anex_pipeline.cli import main
 from anex_pipeline.cli.parser import build_parser, engine_args_of
-from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.config import EngineConfig, EngineSettings
 from anex_pipeline.engine.engine_args import (
     EngineArgError,
     canonical,
@@ -29,7 +29,6 @@ from anex_pipeline.engine.engine_args import (
 from anex_pipeline.engine.machine_server import server_command, settings_key
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.vllm import engine as vllm_engine
-from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl
 

@@ -9,8 +9,8 @@ import pytest
 
 from anex_pipeline.engine import loader
 from anex_pipeline.engine.base import Engine, EngineRequest
+from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.loader import load_engine, release_engines
-from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.spec import RowOutcome
 
 

@@ -17,18 +17,17 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.engine import loader
-from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.config import EngineConfig, EngineSettings
 from anex_pipeline.engine.engine_args import canonical
 from anex_pipeline.engine.loader import load_engine, release_engines
 from anex_pipeline.engine.models import local_model_path, resolve_model
-from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.engine.vllm.watchdog import engine_processes
 from anex_pipeline.errors import EngineProcessDied
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.stages.generate import run_shard
-from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline_tests.harness.jobs import chat_row, local_instance, read_jsonl, write_jsonl
 
@@ -115,7 +114,7 @@ def test_killed_engine_process_fails_the_shard_fast_and_the_rerun_resumes(tmp_pa
 
         report = merge_job(job)
         assert report.status == "completed" and report.request_counts.completed == ROWS
-        assert [r["custom_id"] for r in read_jsonl(result_path(job))] == [f"r{i}" for i in range(ROWS)]
+        assert [r["custom_id"] for r in read_jsonl(job.result_path)] == [f"r{i}" for i in range(ROWS)]
     finally:
         release_engines()
 

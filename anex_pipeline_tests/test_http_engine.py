@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine.base import resolve_request, run_checked
+from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.completions import Generated, chat_completion
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.http.engine import (
@@ -38,6 +38,7 @@ from anex_pipeline.engine.http.replicas import ServersDown
 from anex_pipeline.engine.machine_server import prefix_cache
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.prefix_order import PrefixCache, ordered
+from anex_pipeline.engine.rows import run_checked
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner

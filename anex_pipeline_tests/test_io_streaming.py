@@ -18,7 +18,7 @@ from anex_pipeline.formats import decode_stored_outcome, jsonl, jsonl_checkpoint
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, latest_records
 from anex_pipeline.formats.registry import FORMATS
 from anex_pipeline.spec import JobOptions, JobRejected, RowError, RowOutcome
-from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl
@@ -146,7 +146,7 @@ def test_jsonl_results_escape_keys_and_carry_errors(tmp_path: Path) -> None:
         job.checkpoint_path(0), [RowOutcome(3, keys[3], None, error=RowError(message="gone", type="engine_error"))]
     )
     report = merge_job(job)
-    lines = read_jsonl(result_path(job))
+    lines = read_jsonl(job.result_path)
     assert [line["custom_id"] for line in lines] == keys
     assert [line["id"] for line in lines] == [f"batch_req_{k}" for k in keys]
     assert [line["response"]["request_id"] for line in lines] == [f"req_{k}" for k in keys]
@@ -256,7 +256,7 @@ def test_parquet_results_keep_the_input_columns_and_types(tmp_path: Path, monkey
     outcomes = [answer(i, str(i)) if i % 4 else failure(i, str(i)) for i in range(n) if i not in (5, 6)]
     job.record_outcomes(0, outcomes[::-1])  # out of order on purpose
     merge_job(job)
-    table = pq.read_table(result_path(job))
+    table = pq.read_table(job.result_path)
     source = pq.read_table(src)
     for field in source.schema:
         assert table.schema.field(field.name).type == field.type
@@ -341,7 +341,7 @@ def test_a_merge_out_of_space_leaves_no_partial_result(
     monkeypatch.setattr(jsonl, "write_results", half_written)
     with pytest.raises(OSError, match="No space left") as raised:
         merge_job(job)
-    assert raised.value.filename == str(result_path(job))  # the message names the result, not a temp file
+    assert raised.value.filename == str(job.result_path)  # the message names the result, not a temp file
     assert sorted(p.name for p in job.root.iterdir() if "result" in p.name and p.is_file()) == []
 
 
@@ -352,13 +352,13 @@ def test_a_big_jsonl_job_merged_by_several_processes_equals_one_merged_by_one(
     for shard, rng in enumerate(job.manifest().shards):  # rows of other shards are ignored by the merge
         messy_checkpoint(job.checkpoint_path(shard), rng.stop, seed=shard)
     alone = merge_job(job)
-    by_one = result_path(job).read_bytes()
+    by_one = job.result_path.read_bytes()
     monkeypatch.setattr(jsonl, "PARALLEL_MERGE_ROWS", 0)
     together = merge_job(job)
-    assert result_path(job).read_bytes() == by_one
+    assert job.result_path.read_bytes() == by_one
     assert together.model_dump(exclude={"timings"}) == alone.model_dump(exclude={"timings"})
     assert together.request_counts.failed > 0 and together.error_counts  # the messy rows were there
-    assert sorted(p.name for p in job.root.iterdir() if "result" in p.name) == [result_path(job).name]
+    assert sorted(p.name for p in job.root.iterdir() if "result" in p.name) == [job.result_path.name]
 
 
 def test_an_empty_checkpoint_has_no_records(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import pytest
 
 from anex_pipeline.cli import main as cli_main
 from anex_pipeline.engine import machine_server
+from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.loader import _loaded
 from anex_pipeline.engine.machine_server import (
     ServerBusy,
@@ -40,7 +41,6 @@ from anex_pipeline.engine.machine_server import (
 )
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
 from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descendants, running, signal_if_same, start_time
-from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline_tests.harness.deployment import Deployment

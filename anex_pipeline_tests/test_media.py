@@ -23,13 +23,15 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from anex_pipeline.media.attach import attach_media
 from anex_pipeline.media.fetcher import MediaFetcher, MediaFetchError
 from anex_pipeline.media.guard import address_problem, allowed_endpoints
-from anex_pipeline.media.refs import MediaRef, media_references
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import InputRow, JobOptions, MediaOptions
-from anex_pipeline.stages.fetch_media import attach_media, fetch_shard, recorded_failures
+from anex_pipeline.stages.fetch_media import fetch_shard
 from anex_pipeline.stages.submit import prepare_job
+from anex_pipeline.validate.media_refs import MediaRef, media_references
+from anex_pipeline.workdir.outputs import recorded_failures
 from anex_pipeline_tests.harness.jobs import read_jsonl, write_jsonl
 from anex_pipeline_tests.harness.media import (
     MP4,

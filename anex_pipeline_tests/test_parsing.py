@@ -28,9 +28,10 @@ from anex_pipeline.engine.parsing import (
     thinking_tags,
 )
 from anex_pipeline.spec import JobOptions, RowOutcome
-from anex_pipeline.stages.estimate import estimate_lengths, reusable_samples
+from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stages.submit import prepare_job
+from anex_pipeline.workdir.outputs import reusable_samples
 from anex_pipeline_tests.harness.jobs import chat_row, write_jsonl
 from anex_pipeline_tests.harness.tiny_models import build_tokenizer, write_config
 

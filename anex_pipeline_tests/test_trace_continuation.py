@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest
+from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.http.continuation import FORCED_LOGPROB, Cut, TraceContinuation, _Model
 from anex_pipeline.engine.parsing import OutputParser, ParserNames
-from anex_pipeline.engine.vllm.engine import EngineSettings
-from anex_pipeline.engine.vllm.sampling import ThinkingIds
+from anex_pipeline.engine.thinking import ThinkingIds
 
 START, END, NOTICE = 1, 2, [7, 8]  # <think>, </think> and the notice's tokens
 

@@ -104,14 +104,14 @@ def fill(src: Path, work: Path, out: Path) -> dict[str, float]:
 
 def merge(src: Path, work: Path, out: Path) -> dict[str, float]:
     """merge + write, and the result published to the output path."""
-    from anex_pipeline.stages.merge import merge_job, result_path
+    from anex_pipeline.stages.merge import merge_job
     from anex_pipeline.storage import publish
     from anex_pipeline.workdir.manifest import JobDir
 
     started = time.perf_counter()
     job = JobDir(work, (work / "job_id").read_text())
     merge_job(job)
-    publish(result_path(job), str(out))
+    publish(job.result_path, str(out))
     return {"seconds": time.perf_counter() - started}
 
 

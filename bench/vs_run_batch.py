@@ -19,10 +19,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.engine_args import canonical, cli_flags, engine_kwargs, parse_engine_arg
 from anex_pipeline.engine.machine_server import cpu_build
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
-from anex_pipeline.engine.vllm.engine import EngineSettings
 
 SYSTEMS = [
     "You are a concise assistant.",

@@ -47,7 +47,6 @@ from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
-from anex_pipeline.stages.merge import result_path
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, read_report
@@ -396,7 +395,7 @@ class BatchWorker:
         their requests embedded in the body)."""
         if record.job_id is None or not record.finished:
             return None
-        path = result_path(self.runner.storage.job(record.job_id))
+        path = self.runner.storage.job(record.job_id).result_path
         if not path.exists():
             return []
         with path.open(encoding="utf-8") as f:
@@ -435,7 +434,7 @@ def _unrun_code(record: BatchRecord) -> str | None:
 def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[bytes, bool]]:
     """The job's result lines, each with whether it is an error. With ``unrun``, a row that never
     ran gets an error line with that code, in its place in input order."""
-    with result_path(job).open("rb") as src:
+    with job.result_path.open("rb") as src:
         if unrun is None:
             for line in src:
                 yield line, json.loads(line)["error"] is not None

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from anex_pipeline.request_fields import POOLING
+
 
 @dataclass
 class Generated:
@@ -127,3 +129,17 @@ def body_for(endpoint: str, request_id: str, model: str, *choices: Generated) ->
     if endpoint == "completions":
         return text_completion(request_id, model, *choices)
     return chat_completion(request_id, model, *choices)
+
+
+def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:
+    """The token counts the report adds up, from the server's ``usage`` object."""
+    usage = usage or {}
+    counts = {"prompt_tokens": int(usage.get("prompt_tokens") or 0)}
+    if endpoint in POOLING:
+        return counts
+    counts["completion_tokens"] = int(usage.get("completion_tokens") or 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+    if reasoning is not None:
+        counts["reasoning_tokens"] = int(reasoning)
+    counts["cached_prompt_tokens"] = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return counts

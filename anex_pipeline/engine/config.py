@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
@@ -88,3 +89,23 @@ def _env_engine_args() -> dict[str, Any]:
         example = '{"tensor_parallel_size": 2}'
         raise EngineArgError(f"ANEX_ENGINE_ARGS must be a JSON object, e.g. {example}; got {text!r}")
     return value
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load a model; two equal settings share one loaded engine."""
+
+    model: str  # local folder or HF id
+    model_name: str  # the name written into responses
+    runner: str = "generate"  # "generate" or "pooling" (embeddings, score, rerank)
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
+    memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
+    reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
+    tool_parser: str | None = None
+    lora_modules: str = "{}"  # the LoRA adapters loaded with the model, by name, as canonical JSON
+    # vLLM's engine core in this process (see build_llm). How the engine runs, not what it answers:
+    # left out of the comparison, so an engine or a shared server of either kind serves both.
+    core_in_process: bool = field(default=False, compare=False)

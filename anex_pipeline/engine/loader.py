@@ -16,15 +16,14 @@ from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
 from anex_pipeline import metrics
-from anex_pipeline.console import PROGRESS_FIELD, EngineLoad
+from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, EngineLoad
 from anex_pipeline.engine.base import Engine
-from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.config import EngineConfig, EngineSettings
 from anex_pipeline.engine.engine_args import canonical, vllm_version
 from anex_pipeline.engine.http.continuation import TraceContinuation
 from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
 from anex_pipeline.engine.http.replicas import server_urls
 from anex_pipeline.engine.orphans import guard_descendants
-from anex_pipeline.engine.vllm.engine import EngineSettings
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.request_fields import POOLING
 from anex_pipeline.workdir.manifest import JobManifest
@@ -40,7 +39,7 @@ __all__ = [
     "vllm_settings",
 ]
 
-progress = logging.getLogger("anex_pipeline.progress")
+progress = logging.getLogger(PROGRESS_LOGGER)
 RELEASE_WAIT_S = 5.0  # how long releasing waits for a load in progress before leaving it
 _lock = threading.Lock()
 _loaded: dict[EngineSettings | HttpSettings, Engine] = {}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -53,9 +54,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from anex_pipeline.engine.loader import progress
-
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
+from anex_pipeline.console import PROGRESS_LOGGER
 from anex_pipeline.engine.orphans import (
     DETACHED,
     PID_MAX,
@@ -78,6 +78,8 @@ POLL_S = 0.5
 DEFAULT_IDLE_S = 600.0
 OTHER_SETTINGS_WAIT_S = 900.0  # how long a step waits for a busy server of other settings
 STATE_MAX_BYTES = 1 << 20
+
+progress = logging.getLogger(PROGRESS_LOGGER)
 
 
 class UnsafeStateFolder(EngineLoadFailed):

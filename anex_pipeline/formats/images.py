@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from anex_pipeline.media.refs import reference_problem
+from anex_pipeline.validate.media_refs import reference_problem
 
 # The first bytes of each image format vLLM's image loader (Pillow) reads, and its media type.
 _SIGNATURES = (
@@ -27,7 +27,7 @@ def image_type(data: bytes) -> str | None:
 def image_part(value: str | bytes) -> dict[str, Any]:
     """An ``image_url`` content part: a string is the URL itself (fetched by the media stage, or
     inline as ``data:``); bytes become a ``data:`` URL. Raises ValueError for a URL that can never
-    be used (see :func:`~anex_pipeline.media.refs.reference_problem`) and for bytes of no image type."""
+    be used (see :func:`~anex_pipeline.validate.media_refs.reference_problem`) and for bytes of no image type."""
     if isinstance(value, str):
         if (why := reference_problem(value)) is not None:
             raise ValueError(why)

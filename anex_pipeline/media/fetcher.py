@@ -44,10 +44,10 @@ from anex_pipeline.media.guard import (
     media_client,
     request_deadline,
 )
-from anex_pipeline.media.refs import MediaRef, fetch_problem
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
 from anex_pipeline.paths import media_cache_dir, private_problem
 from anex_pipeline.spec import MediaOptions
+from anex_pipeline.validate.media_refs import MediaRef, fetch_problem
 
 MAX_REDIRECTS = 5
 RETRY_AFTER_LIMIT_S = 60.0  # a server that asks for a longer wait fails the URL at once

@@ -37,7 +37,7 @@ from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
 from anex_pipeline.stages.generate import run_shard
 from anex_pipeline.stages.generate_answer_store import open_store
-from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.merge_row_account import account_rows
 from anex_pipeline.stages.publish import publish_job
 from anex_pipeline.stages.submit import prepare_job
@@ -330,7 +330,7 @@ def _figures_line(f: dict[str, Any]) -> str:
 def merged_result(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     job = _job(context, storage)
     report = merge_job(job)
-    account = account_rows(job, result_path(job))
+    account = account_rows(job, job.result_path)
     check = dg.AssetCheckResult(
         check_name="rows_accounted_once",
         passed=account.ok
@@ -339,7 +339,7 @@ def merged_result(context: dg.AssetExecutionContext, storage: StorageResource) -
         metadata=account.as_metadata(),
         description=account.summary(),
     )
-    return dg.MaterializeResult(metadata=report_metadata(report, result_path(job)), check_results=[check])
+    return dg.MaterializeResult(metadata=report_metadata(report, job.result_path), check_results=[check])
 
 
 @dg.asset(

@@ -17,26 +17,22 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
-from anex_pipeline.engine.base import Engine, resolve_request, run_checked
+from anex_pipeline.engine.base import Engine, resolve_request
 from anex_pipeline.engine.parsing import choose_parsers
+from anex_pipeline.engine.rows import run_checked
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.formats.jsonl_checkpoint import append_outcomes, read_outcomes
+from anex_pipeline.formats.jsonl_checkpoint import append_outcomes
+from anex_pipeline.media.attach import attach_media
 from anex_pipeline.request_fields import POOLING
-from anex_pipeline.spec import EstimateReport, InputRow, RowOutcome
+from anex_pipeline.spec import EstimateReport, InputRow
 from anex_pipeline.stages.estimate_length_bound import upper_bound
-from anex_pipeline.stages.fetch_media import attach_media
 from anex_pipeline.stopping import StopCheck
 from anex_pipeline.validate.answers import answers_asked, several_prompts
 from anex_pipeline.validate.numbers import UNCAPPED_ROW_TOKENS
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, atomic_write_text
+from anex_pipeline.workdir.outputs import read_estimate
 
 GENEROUS_CAP = UNCAPPED_ROW_TOKENS  # what an uncapped row counts for in the job's token budget
-
-
-def read_estimate(job: JobDir) -> EstimateReport:
-    if not job.estimate_path.exists():
-        return EstimateReport(method="no estimate was made")
-    return EstimateReport.model_validate_json(job.estimate_path.read_text())
 
 
 def estimate_lengths(
@@ -182,25 +178,6 @@ def _bound(lengths: list[int], cut: int, cap: int | None, too_few: str) -> tuple
     bound = upper_bound(lengths)
     value = bound.value if cap is None else min(bound.value, cap)
     return value, f"upper 95% confidence bound on the 95th percentile: {bound.method}"
-
-
-def reusable_samples(job: JobDir, estimate: EstimateReport, start: int, stop: int) -> dict[int, RowOutcome]:
-    """Sample answers in rows [start, stop) that stand as the real run's answers: within the cap now
-    in force and under the thinking budget. An answer cut at the sample's cap is one too when that
-    cap is the one in force (the estimate falls back to the sample's cap whenever an answer was
-    cut): the real run would stop at the same token, so generating it again buys nothing."""
-    if not job.sample_path.exists():
-        return {}
-    cap = estimate.max_tokens if estimate.max_tokens is not None else job.manifest().job_options().max_tokens
-    return {
-        i: o
-        for i, o in read_outcomes(job.sample_path).items()
-        if start <= i < stop
-        and o.ok
-        and (o.completion_flag != RowErrorType.LENGTH or cap is not None)
-        and (cap is None or o.usage.get("completion_tokens", 0) <= cap)
-        and (estimate.reasoning_budget is None or o.usage.get("reasoning_tokens", 0) < estimate.reasoning_budget)
-    }
 
 
 HISTOGRAM_BINS = 12

@@ -130,37 +130,6 @@ def open_store(job: JobDir, config: EngineConfig) -> AnswerStore | None:
     return AnswerStore(job.root.parent, engine_identity(config, manifest), job.job_id, scope=manifest.answer_scope)
 
 
-def note_served(job: JobDir, shard: int, rows: Iterable[int]) -> None:
-    """Notes the rows of a shard that were answered from the store, for the report."""
-    with (job.shard_dir(shard) / layout.FROM_EARLIER_JOBS).open("a", encoding="utf-8") as f:
-        f.write("".join(f"{i}\n" for i in rows))
-
-
-def served_rows(job: JobDir, shards: int) -> int:
-    """The job's rows whose answer in the result came from the store: noted as served from it and
-    still holding a copied answer (a row generated again later, after a failed write, does not count)."""
-    count = 0
-    for shard in range(shards):
-        path = job.shard_dir(shard) / layout.FROM_EARLIER_JOBS
-        if path.exists():
-            noted = {int(line) for line in path.read_text(encoding="utf-8").split()}
-            count += sum(1 for o in job.outcomes(shard) if o.i in noted and o.reused)
-    return count
-
-
-def note_dropped(job: JobDir, shard: int, count: int) -> None:
-    """Notes how many unreadable stored answers a shard's look-ups found (and removed), for the report."""
-    if count:
-        with (job.shard_dir(shard) / layout.STORE_DROPPED).open("a", encoding="utf-8") as f:
-            f.write(f"{count}\n")
-
-
-def dropped_entries(job: JobDir, shards: int) -> int:
-    """Unreadable stored answers the job's shards found and removed."""
-    paths = (job.shard_dir(shard) / layout.STORE_DROPPED for shard in range(shards))
-    return sum(int(n) for path in paths if path.exists() for n in path.read_text(encoding="utf-8").split())
-
-
 def drop_answers(work_root: Path, job_id: str) -> None:
     """Removes the answers a job generated (the job is being deleted or pruned)."""
     folder = Path(work_root).expanduser() / layout.ANSWER_STORE_DIR

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from anex_pipeline.spec import JobReport
-from anex_pipeline.stages.merge import result_path
 from anex_pipeline.storage import publish
 from anex_pipeline.workdir.manifest import JobDir
 
@@ -24,6 +23,6 @@ def publish_job(job: JobDir, s3_client: Callable[[], Any]) -> tuple[JobReport, s
     if report.request_counts.nothing_delivered():  # the report tells why; an earlier result stays
         where = "not published: no row has a result"
     else:
-        where = publish(result_path(job), manifest.output, s3)
+        where = publish(job.result_path, manifest.output, s3)
     publish(job.report_path, manifest.report, s3)
     return report, where

@@ -4,16 +4,11 @@ as one :class:`~anex_pipeline.spec.JobReport`. The merge writes it into the work
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
-from anex_pipeline.stages.estimate import read_estimate, reusable_samples
-from anex_pipeline.stages.generate_answer_store import dropped_entries, served_rows
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
+from anex_pipeline.workdir.outputs import dropped_entries, read_estimate, reusable_samples, served_rows
+from anex_pipeline.workdir.tally import RowTally
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
-
-if TYPE_CHECKING:
-    from anex_pipeline.stages.merge import RowTally
 
 
 def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobReport:

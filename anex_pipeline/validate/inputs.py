@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from anex_pipeline.media.refs import part_reference, reference_problem
 from anex_pipeline.request_fields import (
     MAX_SCORE_TEXT_CHARS,
     MAX_SCORE_TEXTS,
@@ -17,6 +16,7 @@ from anex_pipeline.spec import INVALID_TYPE, MISSING_PARAMETER
 from anex_pipeline.validate.answers import (
     check_text_format,
 )
+from anex_pipeline.validate.media_refs import part_reference, reference_problem
 from anex_pipeline.validate.numbers import INT32_MAX
 from anex_pipeline.validate.problems import FieldProblem, kind_of, wrong_kind
 

@@ -161,6 +161,11 @@ class JobDir:
         return self.root / layout.ESTIMATE_SAMPLE
 
     @property
+    def result_path(self) -> Path:
+        """The merged result, before it is published."""
+        return self.root / f"{layout.RESULT_STEM}.{self.manifest().format}"
+
+    @property
     def report_path(self) -> Path:
         """The report the merge writes, before it is published."""
         return self.root / layout.REPORT

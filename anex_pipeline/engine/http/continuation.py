@@ -36,8 +36,8 @@ from anex_pipeline.engine.parsing import (
 )
 
 if TYPE_CHECKING:
-    from anex_pipeline.engine.vllm.engine import EngineSettings
-    from anex_pipeline.engine.vllm.sampling import ThinkingIds
+    from anex_pipeline.engine.config import EngineSettings
+    from anex_pipeline.engine.thinking import ThinkingIds
 
 FORCED_LOGPROB = -9999.0  # what vLLM's server writes for a token that was not sampled
 
@@ -77,7 +77,7 @@ class TraceContinuation:
     def model(self) -> _Model:
         with self._lock:
             if self._model is None:
-                from anex_pipeline.engine.vllm.sampling import ThinkingIds, model_thinking
+                from anex_pipeline.engine.thinking import ThinkingIds, model_thinking
 
                 tokenizer, tags = model_thinking(self.settings, self.engine_kwargs)
                 if tags is None:

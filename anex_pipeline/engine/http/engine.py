@@ -34,13 +34,13 @@ from typing import Any
 import httpx
 
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
-from anex_pipeline.engine.completions import encoded_vector, unit_vector
+from anex_pipeline.engine.completions import encoded_vector, row_usage, unit_vector
 from anex_pipeline.engine.http.continuation import TraceContinuation
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import RetryPolicy, retryable_status
-from anex_pipeline.request_fields import POOLING, PROMPT_FIELDS, SCORING
+from anex_pipeline.request_fields import PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -536,20 +536,6 @@ def named_context_error(error: RowError, endpoint: str) -> RowError:
         return error
     param = PROMPT_FIELDS[endpoint] if error.param in (None, "input_tokens", "input_text") else error.param
     return RowError(message=error.message, type=error.type, code=CONTEXT_LENGTH_EXCEEDED, param=param)
-
-
-def row_usage(usage: dict[str, Any] | None, endpoint: str) -> dict[str, int]:
-    """The token counts the report adds up, from the server's ``usage`` object."""
-    usage = usage or {}
-    counts = {"prompt_tokens": int(usage.get("prompt_tokens") or 0)}
-    if endpoint in POOLING:
-        return counts
-    counts["completion_tokens"] = int(usage.get("completion_tokens") or 0)
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
-    if reasoning is not None:
-        counts["reasoning_tokens"] = int(reasoning)
-    counts["cached_prompt_tokens"] = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return counts
 
 
 def _name_reasoning_as_specified(payload: dict[str, Any]) -> None:

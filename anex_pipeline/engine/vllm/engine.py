@@ -16,21 +16,22 @@ import logging
 import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from anex_pipeline.engine import collector
 from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
+from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import OutputParser, ParserNames
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.engine.scoring import score_pairs, scoring_response
 from anex_pipeline.engine.sharing import Lanes
+from anex_pipeline.engine.thinking import ThinkingIds
 from anex_pipeline.engine.vllm import cpu_environment
 from anex_pipeline.engine.vllm.outputs import OutputShaper
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
-from anex_pipeline.engine.vllm.sampling import Sampler, ThinkingIds, reasoning_kwargs
+from anex_pipeline.engine.vllm.sampling import Sampler, reasoning_kwargs
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.engine.vllm.watchdog import EngineWatch
 from anex_pipeline.request_fields import SCORING
@@ -42,26 +43,6 @@ SHUTDOWN_GRACE_S = 1.0
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # One call of a pooling model on a batch of rows with their inputs: each row with its outcome.
 PoolBatch = Callable[[list[tuple[EngineRequest, Any]]], list[tuple[EngineRequest, RowOutcome]]]
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How to load a model; two equal settings share one loaded engine."""
-
-    model: str  # local folder or HF id
-    model_name: str  # the name written into responses
-    runner: str = "generate"  # "generate" or "pooling" (embeddings, score, rerank)
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
-    memory_share: float | None = None  # gpu_memory_utilization; on a CPU the share of RAM
-    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    engine_args: str = "{}"  # vLLM's other engine arguments, as engine_args.canonical JSON
-    reasoning_parser: str | None = None  # vLLM's name; it also turns on the thinking budget
-    tool_parser: str | None = None
-    lora_modules: str = "{}"  # the LoRA adapters loaded with the model, by name, as canonical JSON
-    # vLLM's engine core in this process (see build_llm). How the engine runs, not what it answers:
-    # left out of the comparison, so an engine or a shared server of either kind serves both.
-    core_in_process: bool = field(default=False, compare=False)
 
 
 class VllmLocalEngine(Engine):

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.engine.base import EngineRequest, engine_failure, rejected
-from anex_pipeline.engine.completions import Generated, body_for, embedding_response, unit_vector
-from anex_pipeline.engine.http.engine import row_usage
+from anex_pipeline.engine.completions import Generated, body_for, embedding_response, row_usage, unit_vector
 from anex_pipeline.engine.parsing import OutputParser, count_thinking_tokens
-from anex_pipeline.engine.vllm.sampling import ThinkingIds
+from anex_pipeline.engine.thinking import ThinkingIds
 from anex_pipeline.spec import RowOutcome
 
 

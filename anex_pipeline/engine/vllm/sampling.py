@@ -13,42 +13,21 @@ from its trace, the notice and the end tag, so the model reads the notice and an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.parsing import NOTICE_TEXT, ThinkingTags, forced_tool_schema, thinking_tags
+from anex_pipeline.engine.parsing import ThinkingTags, forced_tool_schema
+from anex_pipeline.engine.thinking import ThinkingIds, model_thinking
 from anex_pipeline.engine.vllm.prompts import RequestProblem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED
 
 if TYPE_CHECKING:
-    from anex_pipeline.engine.vllm.engine import EngineSettings
+    from anex_pipeline.engine.config import EngineSettings
 
 NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGER_KEYS = ("seed", "top_k", "min_tokens")
-
-
-@dataclass(frozen=True)
-class ThinkingIds:
-    """A model's thinking tags as token ids, and the notice a cut trace ends with."""
-
-    start: list[int]
-    end: list[int]
-    closing: list[int]  # the end tag and what leads into the answer
-    notice: list[int]
-
-    @classmethod
-    def of(cls, tags: ThinkingTags, tokenizer: Any) -> ThinkingIds:
-        """The tags and the notice as the model's tokenizer encodes them."""
-        ids = [tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
-        return cls(*ids, notice=tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
-
-    def head(self, output_ids: Sequence[int], cut: int, cap: int | None) -> list[int]:
-        """What the answer of a trace cut at ``cut`` goes on from: the trace up to the cut, the
-        notice and the closing tags, within ``cap`` output tokens (None: no cap)."""
-        return (list(output_ids[:cut]) + self.notice + self.closing)[:cap]
 
 
 @dataclass
@@ -139,22 +118,3 @@ def reasoning_kwargs(settings: EngineSettings, kwargs: dict[str, Any]) -> Thinki
     if tags is not None:  # the budget forces only the closing tags (see the module docstring)
         kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=tags.start, reasoning_end_str=tags.closing)
     return tags
-
-
-def model_thinking(settings: EngineSettings, kwargs: dict[str, Any]) -> tuple[Any, ThinkingTags | None]:
-    """The tokenizer the engine loads for ``kwargs`` (its engine arguments) and the thinking tags
-    of the settings' reasoning parser; raises ValueError when the parser does not fit the model."""
-    from vllm.tokenizers import get_tokenizer
-
-    try:
-        tokenizer = get_tokenizer(
-            kwargs.get("tokenizer") or settings.model,
-            trust_remote_code=kwargs.get("trust_remote_code", False),
-            revision=kwargs.get("tokenizer_revision") or kwargs.get("revision"),
-        )
-        return tokenizer, thinking_tags(str(settings.reasoning_parser), tokenizer)
-    except Exception as exc:  # e.g. the tokenizer lacks the parser's tags
-        raise ValueError(
-            f"reasoning parser '{settings.reasoning_parser}' does not fit model '{settings.model_name}': {exc}; "
-            "choose another with the reasoning_parser option"
-        ) from exc

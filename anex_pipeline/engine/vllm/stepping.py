@@ -16,9 +16,10 @@ from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import EngineRequest, StopCheck, rejected
 from anex_pipeline.engine.parsing import budget_cut
 from anex_pipeline.engine.sharing import Lane, Lanes
+from anex_pipeline.engine.thinking import ThinkingIds
 from anex_pipeline.engine.vllm.outputs import Answer, Flight, OutputShaper
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
-from anex_pipeline.engine.vllm.sampling import Sampler, ThinkingIds
+from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.engine.vllm.watchdog import EngineWatch, engine_gone
 from anex_pipeline.spec import RowOutcome
 
