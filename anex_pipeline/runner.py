@@ -21,9 +21,12 @@ from anex_pipeline.engine.loader import release_engines, schedules_by_priority
 from anex_pipeline.errors import AnexError
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.definitions import build_definitions
-from anex_pipeline.orchestration.partitions import job_shard_key, register_job
+from anex_pipeline.orchestration.in_process import FolderProgress, drive
+from anex_pipeline.orchestration.names import CLI_RUN, ESTIMATE_JOB, FINISH_JOB, LAUNCHED_BY_TAG, SHARD_JOB
+from anex_pipeline.orchestration.partitions import register_job, split_shard_key
+from anex_pipeline.orchestration.plan import Step
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
-from anex_pipeline.orchestration.runs import CLI_RUN, LAUNCHED_BY_TAG, first_step_error, step_error_message
+from anex_pipeline.orchestration.runs import first_step_error, step_error_message
 from anex_pipeline.spec import JobReport
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import USER_STOP, StopCheck, clear_stop, request_stop
@@ -38,6 +41,10 @@ log = logging.getLogger("anex_pipeline.progress")
 # Dagster's console log stays silent: a failed step (a stopped job's among them) would print its
 # stack trace; the runner reports failures itself, in one line.
 QUIET_LOGGERS: dict[str, Any] = {"console": {"config": {"log_level": "CRITICAL"}}}
+
+
+# The rounds of a drive: the estimate, the shards, the finish, and one look that finds nothing left.
+DRIVE_ROUNDS = 4
 
 
 class StepFailed(AnexError):
@@ -162,35 +169,48 @@ class JobRunner:
             clear_stop(job)
         job.start_clock(manifest.job_options().time_limit_s, until)
         self._load_engine_early(job, manifest)
+        progress = FolderProgress(job, shards)
         stop = StopCheck(job)
+
+        def run_step(step: Step) -> bool:
+            if step.job_name == SHARD_JOB and stop.asked() is not None:
+                progress.stopped = True  # the shards left wait for a later run
+                return True
+            if step.job_name == SHARD_JOB:
+                log.info("shard %d of %d", split_shard_key(step.partition_key)[1] + 1, len(manifest.shards))
+            if step.job_name == FINISH_JOB:
+                if progress.failed and not job.stop_path.exists():
+                    job.record_stop("; ".join(f"shard {s}: {why}" for s, why in progress.failed.items()))
+                self._finish(job)
+                progress.ended(step, None)
+                return True
+            try:
+                self._execute(step.job_name, step.partition_key)
+            except StepFailed as exc:
+                # a step that failed because the job was stopped keeps that reason
+                if step.job_name == ESTIMATE_JOB and not job.stop_path.exists():
+                    job.record_stop(str(exc))
+                progress.ended(step, str(exc))
+                return True
+            progress.ended(step, None)
+            return True
+
         try:
-            if not job.estimate_path.exists():  # else the submit step recorded it, or an earlier run made it
-                self._execute("estimate_job", job.job_id)
-            chosen = unfinished_shards(job) if shards is None else shards  # a finished shard's run would do nothing
-            failures = []
-            for shard in chosen:
-                if stop.asked() is not None:
-                    break
-                log.info("shard %d of %d", shard + 1, len(manifest.shards))
-                try:
-                    self._execute("shard_job", job_shard_key(job.job_id, shard))
-                except StepFailed as exc:
-                    failures.append(f"shard {shard}: {exc}")
-            if failures and not job.stop_path.exists():
-                job.record_stop("; ".join(failures))
+            drive(progress.state, run_step, DRIVE_ROUNDS)
         except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError, _Interrupted):  # a signal outside generation
             request_stop(job, f"{USER_STOP} (interrupted)")
-        except StepFailed as exc:
-            if not job.stop_path.exists():  # a step that failed because the job was stopped keeps that reason
-                job.record_stop(str(exc))
-        try:
-            self._execute("finish_job", job.job_id)
-        except _Interrupted:  # a Ctrl-C while the result was merged: merged again, as a stopped job's is
-            request_stop(job, f"{USER_STOP} (interrupted)")
-            self._execute("finish_job", job.job_id)
+            progress.stopped = True
+            drive(progress.state, run_step, DRIVE_ROUNDS)
         report = job.report()
         assert report is not None  # finish_job succeeded, so its merge wrote the report
         return report
+
+    def _finish(self, job: JobDir) -> None:
+        try:
+            self._execute(FINISH_JOB, job.job_id)
+        except _Interrupted:  # a Ctrl-C while the result was merged: merged again, as a stopped job's is
+            request_stop(job, f"{USER_STOP} (interrupted)")
+            self._execute(FINISH_JOB, job.job_id)
 
     def _hold(self, job: JobDir) -> None:
         if job.job_id not in self._leases:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.config import EngineConfig
-from anex_pipeline.job_admin import delete_job
+from anex_pipeline.orchestration.job_admin import delete_job
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.request_fields import CHAT, COMPLETIONS, EMBEDDINGS, fields_of
 from anex_pipeline.runner import JobRunner

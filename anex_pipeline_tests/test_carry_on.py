@@ -21,8 +21,9 @@ import pytest
 from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.names import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.orchestration.partitions import job_shard_key
-from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG, job_progress
+from anex_pipeline.orchestration.runs import job_progress
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline.workdir.lease import take_lease

@@ -22,9 +22,9 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.names import CARRIED_RUN, LAUNCHED_BY_TAG
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.batch_api import content, wait
 from anex_pipeline_tests.harness.commands import Served

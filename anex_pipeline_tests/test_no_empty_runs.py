@@ -10,7 +10,8 @@ from pathlib import Path
 import dagster as dg
 
 from anex_pipeline.orchestration.assets import length_estimate
-from anex_pipeline.orchestration.runs import PARTITION_TAG, job_progress
+from anex_pipeline.orchestration.names import PARTITION_TAG
+from anex_pipeline.orchestration.runs import job_progress
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.testing import shared_fake_engine
 from anex_pipeline_tests.harness.jobs import chat_row, read_jsonl, write_jsonl

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from anex_pipeline.batches.store import Store
-from anex_pipeline.job_admin import parse_age, prune
 from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.job_admin import parse_age, prune
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.runner import JobRunner

@@ -22,9 +22,9 @@ from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.options import MAX_OPTIONS_BYTES
 from anex_pipeline.orchestration.definitions import build_definitions, defs
 from anex_pipeline.orchestration.inboxes import MAX_SETTLE_WAIT_S, S3InboxSettings, folder_arrivals
+from anex_pipeline.orchestration.names import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.orchestration.partitions import JOBS, job_shard_key
 from anex_pipeline.orchestration.retries import RetrySettings
-from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.spec import RowOutcome
 from anex_pipeline.testing import FakeEngine, fake_engine
 from anex_pipeline_tests.harness.commands import FAKE_CLI

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
+from anex_pipeline.orchestration.names import CARRIED_RUN, LAUNCHED_BY_TAG
 from anex_pipeline.orchestration.partitions import job_shard_key
-from anex_pipeline.orchestration.runs import CARRIED_RUN, LAUNCHED_BY_TAG
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, write_jsonl
 from anex_pipeline_tests.harness.webserver import (

@@ -21,8 +21,8 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.batches.store import Store
-from anex_pipeline.job_admin import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.job_admin import JobEntry, JobRunning, delete_job, prune, table
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.orchestration.prune_schedule import RetentionSettings
 from anex_pipeline.orchestration.resources import StorageResource

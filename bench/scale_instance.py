@@ -45,11 +45,11 @@ from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
 
 from anex_pipeline.instance import NEW_HOME_SETTINGS
-from anex_pipeline.job_admin import prune
 from anex_pipeline.orchestration.definitions import build_definitions
+from anex_pipeline.orchestration.job_admin import prune
+from anex_pipeline.orchestration.names import PARTITION_TAG
 from anex_pipeline.orchestration.partitions import JOBS, SHARDS, job_partitions, shard_keys, shard_partitions
 from anex_pipeline.orchestration.resources import StorageResource
-from anex_pipeline.orchestration.runs import PARTITION_TAG
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport, RequestCounts
 from anex_pipeline.testing import fake_engine

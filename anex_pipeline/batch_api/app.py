@@ -45,7 +45,7 @@ from anex_pipeline.batches.objects import (
 )
 from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
-from anex_pipeline.job_admin import forget_file
+from anex_pipeline.orchestration.job_admin import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
     INVALID_JSON,

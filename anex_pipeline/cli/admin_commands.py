@@ -26,7 +26,7 @@ def _print_skipped(skipped: Any) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from anex_pipeline.job_admin import list_jobs, table
+    from anex_pipeline.orchestration.job_admin import list_jobs, table
 
     at = time.time()
     entries = list_jobs(dagster_instance(), _work_root(args), on_skip=_print_skipped)
@@ -40,7 +40,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from anex_pipeline.job_admin import delete_job
+    from anex_pipeline.orchestration.job_admin import delete_job
     from anex_pipeline.workdir.manifest import JobDir
 
     try:
@@ -53,7 +53,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from anex_pipeline.job_admin import parse_age, prune
+    from anex_pipeline.orchestration.job_admin import parse_age, prune
 
     try:
         older_than = parse_age(args.older_than)

@@ -16,77 +16,94 @@ Only with the in-process executor (the default): under ``ANEX_EXECUTOR=multiproc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import dagster as dg
 
 from anex_pipeline import settings
+from anex_pipeline.orchestration.in_process import drive
+from anex_pipeline.orchestration.names import CARRIED_RUN, LAUNCHED_BY_TAG, PARTITION_TAG
 from anex_pipeline.orchestration.partitions import job_of_key
+from anex_pipeline.orchestration.plan import JobState, Step
+from anex_pipeline.orchestration.runs import (
+    first_step_error,
+    job_progress,
+    job_state,
+    shard_failures,
+    step_error_message,
+)
 from anex_pipeline.workdir.lease import try_lease
 
 
-@dg.success_hook(required_resource_keys={"storage", "engine"})
-def carry_on(context: dg.HookContext) -> None:
-    """The success hook of ``submit_job``: runs the job's later steps when it is small enough."""
-    # Imported here: these modules import the jobs, and jobs.py imports this hook.
-    from anex_pipeline.orchestration.definitions import build_definitions
-    from anex_pipeline.orchestration.driver import next_steps
-    from anex_pipeline.orchestration.runs import (
-        CARRIED_RUN,
-        LAUNCHED_BY_TAG,
-        PARTITION_TAG,
-        first_step_error,
-        job_progress,
-        shard_failures,
-        step_error_message,
-    )
+def carry_on(carried_definitions: Callable[[Any, Any], dg.Definitions]) -> dg.HookDefinition:
+    """The success hook of ``submit_job``: runs the job's later steps when it is small enough.
+    ``carried_definitions(storage, engine)`` builds, from the run's own resources, the definitions
+    whose jobs run them (it is called only when a job is carried)."""
 
-    run = context.instance.get_run_by_id(context.run_id)
-    if run is None or run.tags.get(LAUNCHED_BY_TAG) or settings.EXECUTOR.get():
-        return  # a process that drives the job itself, or steps that belong elsewhere
-    try:
-        limit = settings.CARRY_ON_SHARDS.get_int()
-    except ValueError:
-        context.log.error(
-            f"{settings.CARRY_ON_SHARDS.name}={settings.CARRY_ON_SHARDS.get()!r} is not a whole number of shards; "
-            "the job's other steps wait for job_driver (set it to 1, the default, or 0 to turn this off)"
+    @dg.success_hook(name="carry_on", required_resource_keys={"storage", "engine"})
+    def hook(context: dg.HookContext) -> None:
+        run = context.instance.get_run_by_id(context.run_id)
+        if run is None or run.tags.get(LAUNCHED_BY_TAG) or settings.EXECUTOR.get():
+            return  # a process that drives the job itself, or steps that belong elsewhere
+        try:
+            limit = settings.CARRY_ON_SHARDS.get_int()
+        except ValueError:
+            context.log.error(
+                f"{settings.CARRY_ON_SHARDS.name}={settings.CARRY_ON_SHARDS.get()!r} is not a whole number of "
+                "shards; the job's other steps wait for job_driver (set it to 1, the default, or 0 to turn this off)"
+            )
+            return
+        if limit < 1:
+            return
+        storage, engine = context.resources.storage, context.resources.engine
+        job = storage.job(job_of_key(run.tags[PARTITION_TAG]))
+        count = len(job.manifest().shards)
+        if count > limit:
+            return
+        lease = try_lease(job)
+        if lease is None:
+            context.log.info(f"job {job.job_id} is being run by another process; it carries the job on")
+            return
+        with lease:
+            _carry(context, job.job_id, count, carried_definitions(storage, engine))
+
+    return hook
+
+
+def _carry(context: dg.HookContext, job_id: str, count: int, defs: dg.Definitions) -> None:
+    """Runs the steps the plan asks for until there are none, or one fails (job_driver then does
+    what it does for any failed step)."""
+
+    def read() -> JobState:
+        (progress,) = [p for p in job_progress(context.instance) if p.job_id == job_id]
+        return job_state(progress, count, shard_failures(context.instance, job_id, count))
+
+    def run(step: Step) -> bool:
+        if _terminating(context):  # a Terminate that came while the step before succeeded
+            raise dg.DagsterExecutionInterruptedError(f"the run was terminated before {step.job_name}")
+        result = defs.resolve_job_def(step.job_name).execute_in_process(
+            instance=context.instance,
+            partition_key=step.partition_key,
+            tags={**step.tags, LAUNCHED_BY_TAG: CARRIED_RUN},
+            raise_on_error=False,
         )
-        return
-    if limit < 1:
-        return
-    storage, engine = context.resources.storage, context.resources.engine
-    job = storage.job(job_of_key(run.tags[PARTITION_TAG]))
-    count = len(job.manifest().shards)
-    if count > limit:
-        return
-    lease = try_lease(job)
-    if lease is None:
-        context.log.info(f"job {job.job_id} is being run by another process; it carries the job on")
-        return
-    defs = build_definitions(storage, engine, automation=False)
-    with lease:
-        for _ in range(count + 3):  # the estimate, each shard, the finish, and one look that finds none left
-            (progress,) = [p for p in job_progress(context.instance) if p.job_id == job.job_id]
-            steps = next_steps(progress, count, shard_failures(context.instance, job.job_id, count))
-            if not steps:
-                return
-            for step in steps:
-                if _terminating(context):  # a Terminate that came while the step before succeeded
-                    raise dg.DagsterExecutionInterruptedError(f"the run was terminated before {step.job_name}")
-                result = defs.resolve_job_def(step.job_name).execute_in_process(
-                    instance=context.instance,
-                    partition_key=step.partition_key,
-                    tags={**step.tags, LAUNCHED_BY_TAG: CARRIED_RUN},
-                    raise_on_error=False,
-                )
-                what = f"{step.job_name} for {step.partition_key} (run {result.run_id})"
-                if not result.success:
-                    error = first_step_error(result)
-                    reason = step_error_message(error) if error else "the run failed"
-                    context.log.warning(f"{what} failed: {reason}; job_driver takes the job on from here")
-                    if _terminating(context):  # the step took the termination as a stop: pass it on
-                        raise dg.DagsterExecutionInterruptedError(f"{what} was stopped: the run was terminated")
-                    return
-                context.log.info(f"{what} succeeded")
-        context.log.warning(f"job {job.job_id} still has steps to run after {count + 3} rounds; job_driver takes it on")
+        what = f"{step.job_name} for {step.partition_key} (run {result.run_id})"
+        if not result.success:
+            error = first_step_error(result)
+            reason = step_error_message(error) if error else "the run failed"
+            context.log.warning(f"{what} failed: {reason}; job_driver takes the job on from here")
+            if _terminating(context):  # the step took the termination as a stop: pass it on
+                raise dg.DagsterExecutionInterruptedError(f"{what} was stopped: the run was terminated")
+            failed.append(step)
+            return False
+        context.log.info(f"{what} succeeded")
+        return True
+
+    failed: list[Step] = []
+    # the estimate, each shard, the finish, and one look that finds none left
+    if not drive(read, run, rounds=count + 3) and not failed:
+        context.log.warning(f"job {job_id} still has steps to run after {count + 3} rounds; job_driver takes it on")
 
 
 def _terminating(context: dg.HookContext) -> bool:

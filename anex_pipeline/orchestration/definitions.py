@@ -11,9 +11,10 @@ import dagster as dg
 from anex_pipeline import settings
 from anex_pipeline.orchestration import inboxes
 from anex_pipeline.orchestration.assets import all_assets
+from anex_pipeline.orchestration.carry_on import carry_on
 from anex_pipeline.orchestration.driver import job_driver
 from anex_pipeline.orchestration.inboxes import LocalInboxSettings, S3InboxSettings
-from anex_pipeline.orchestration.jobs import all_jobs
+from anex_pipeline.orchestration.jobs import asset_jobs
 from anex_pipeline.orchestration.prune_schedule import RetentionSettings, prune_job, prune_old_jobs
 from anex_pipeline.orchestration.resources import EngineResource, StorageResource
 from anex_pipeline.orchestration.retries import RetrySettings, retry_failed_rows
@@ -40,12 +41,15 @@ def build_definitions(
         "retry_settings": retry or RetrySettings.from_environment(),
         "retention_settings": retention or RetentionSettings.from_environment(),
     }
+    jobs = asset_jobs(
+        submit_hooks=[carry_on(lambda storage, engine: build_definitions(storage, engine, automation=False))]
+    )
     sensors: list[dg.SensorDefinition] = []
     schedules: list[dg.ScheduleDefinition] = []
     if automation:
         from anex_pipeline.orchestration import s3_inbox as s3
 
-        sensors = [job_driver(), s3.s3_inbox, inboxes.local_inbox]
+        sensors = [job_driver(jobs[1:]), s3.s3_inbox, inboxes.local_inbox]
         schedules = [retry_failed_rows(), prune_old_jobs()]
         resources |= {
             "s3": s3.s3_resource(storage),
@@ -55,7 +59,7 @@ def build_definitions(
     return dg.Definitions(
         executor=_executor(),
         assets=all_assets,
-        jobs=[*all_jobs, prune_job],
+        jobs=[*jobs, prune_job],
         sensors=sensors,
         schedules=schedules,
         resources=resources,

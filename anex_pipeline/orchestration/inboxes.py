@@ -28,8 +28,7 @@ from anex_pipeline.options import (
     read_text_file,
     sidecar_of,
 )
-from anex_pipeline.orchestration.assets import validated_input
-from anex_pipeline.orchestration.jobs import submit_job
+from anex_pipeline.orchestration.names import SUBMIT_JOB, VALIDATED_INPUT
 from anex_pipeline.orchestration.partitions import JOBS, job_partitions
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 from anex_pipeline.storage import unsafe_key
@@ -68,10 +67,10 @@ def is_input_name(name: str) -> bool:
 def submit_request(arrival: Arrival, options: dict[str, Any]) -> dg.RunRequest:
     config = {"input": arrival.uri, "output": arrival.output, "options": options}
     return dg.RunRequest(
-        job_name=submit_job.name,
+        job_name=SUBMIT_JOB,
         partition_key=arrival.job_id,
         run_key=arrival.job_id,
-        run_config={"ops": {validated_input.key.to_user_string(): {"config": config}}},
+        run_config={"ops": {VALIDATED_INPUT.to_user_string(): {"config": config}}},
         tags={"anex/source": arrival.uri},
     )
 
@@ -293,7 +292,7 @@ def _arrival(inbox: Path, outbox: Path, path: Path, st: os.stat_result) -> Arriv
 
 @dg.sensor(
     name="local_inbox",
-    job=submit_job,
+    job_name=SUBMIT_JOB,
     minimum_interval_seconds=5,
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(

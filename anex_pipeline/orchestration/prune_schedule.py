@@ -8,7 +8,7 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline import settings
-from anex_pipeline.job_admin import parse_age, prune
+from anex_pipeline.orchestration.job_admin import parse_age, prune
 from anex_pipeline.orchestration.ray_executor import OTHER_STEP, prune_finished_steps
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
 

@@ -7,10 +7,10 @@ import dagster as dg
 from pydantic import Field
 
 from anex_pipeline import settings
-from anex_pipeline.orchestration.jobs import shard_job
+from anex_pipeline.orchestration.names import PARTITION_TAG, RETRY_TAG, SHARD_JOB
 from anex_pipeline.orchestration.partitions import job_shard_key
 from anex_pipeline.orchestration.resources import StorageResource, from_environment
-from anex_pipeline.orchestration.runs import PARTITION_TAG, RETRY_TAG, JobProgress, job_progress
+from anex_pipeline.orchestration.runs import JobProgress, job_progress
 from anex_pipeline.workdir.lease import lease_held
 from anex_pipeline.workdir.manifest import unfinished_shards
 
@@ -34,14 +34,14 @@ class RetrySettings(dg.ConfigurableResource):
 def retry_attempts(instance: dg.DagsterInstance, p: JobProgress, shard: int) -> int:
     """Retry runs the schedule has started for this shard since the job's latest submission."""
     tags = {PARTITION_TAG: str(job_shard_key(p.job_id, shard)), RETRY_TAG: str(p.submitted)}
-    return instance.get_runs_count(dg.RunsFilter(job_name=shard_job.name, tags=tags))
+    return instance.get_runs_count(dg.RunsFilter(job_name=SHARD_JOB, tags=tags))
 
 
 def retry_failed_rows() -> dg.ScheduleDefinition:
     """The schedule, on the cron of ANEX_RETRY_CRON as it is when the definitions load."""
     return dg.schedule(
         name="retry_failed_rows",
-        job=shard_job,
+        job_name=SHARD_JOB,
         cron_schedule=settings.RETRY_CRON.get(),
         default_status=dg.DefaultScheduleStatus.STOPPED,
         description=(

@@ -11,9 +11,19 @@ from typing import Any
 
 import dagster as dg
 
-from anex_pipeline.orchestration.assets import generations, length_estimate, result_file, validated_input
-from anex_pipeline.orchestration.jobs import shard_job
+from anex_pipeline.orchestration.names import (
+    CARRIED_RUN,
+    CLI_RUN,
+    GENERATIONS,
+    LAUNCHED_BY_TAG,
+    LENGTH_ESTIMATE,
+    PARTITION_TAG,
+    RESULT_FILE,
+    SHARD_JOB,
+    VALIDATED_INPUT,
+)
 from anex_pipeline.orchestration.partitions import CHUNK, job_of_key, shard_keys, split_shard_key
+from anex_pipeline.orchestration.plan import JobState, ShardFailure
 
 IN_FLIGHT = [
     dg.DagsterRunStatus.QUEUED,
@@ -22,17 +32,6 @@ IN_FLIGHT = [
     dg.DagsterRunStatus.STARTED,
     dg.DagsterRunStatus.CANCELING,
 ]
-
-
-PARTITION_TAG = "dagster/partition"
-
-
-LAUNCHED_BY_TAG = "anex/launched_by"  # on the runs a process executes itself while it holds the job's lease:
-CLI_RUN = "cli"  # the runs of `anex-pipeline run`, `backfill` and the Batch API
-CARRIED_RUN = "submit_run"  # the later steps of a small job, run by its submit run (orchestration/carry_on.py)
-
-
-RETRY_TAG = "anex/retry_of_submission"  # on retry runs: the storage id of the submission they retry
 
 
 @dataclass
@@ -51,17 +50,17 @@ class JobProgress:
 def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
     """Every submitted job with the state of its steps: a few indexed queries, no row data."""
 
-    def latest(asset: dg.AssetsDefinition) -> Mapping[str, int]:
-        return instance.get_latest_storage_id_by_partition(asset.key, dg.DagsterEventType.ASSET_MATERIALIZATION)
+    def latest(key: dg.AssetKey) -> Mapping[str, int]:
+        return instance.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_MATERIALIZATION)
 
-    jobs = {job_id: JobProgress(job_id, sid) for job_id, sid in latest(validated_input).items()}
-    for job_id, sid in latest(length_estimate).items():
+    jobs = {job_id: JobProgress(job_id, sid) for job_id, sid in latest(VALIDATED_INPUT).items()}
+    for job_id, sid in latest(LENGTH_ESTIMATE).items():
         if job_id in jobs:
             jobs[job_id].estimated = sid
-    for job_id, sid in latest(result_file).items():
+    for job_id, sid in latest(RESULT_FILE).items():
         if job_id in jobs:
             jobs[job_id].finished = sid
-    for key, sid in latest(generations).items():
+    for key, sid in latest(GENERATIONS).items():
         job_id, shard = split_shard_key(key)
         if job_id in jobs:
             jobs[job_id].shards[shard] = sid
@@ -74,6 +73,12 @@ def job_progress(instance: dg.DagsterInstance) -> list[JobProgress]:
         else:
             jobs[job_id].busy = True
     return list(jobs.values())
+
+
+def job_state(progress: JobProgress, shard_count: int, failures: Mapping[int, ShardFailure]) -> JobState:
+    """What :func:`~anex_pipeline.orchestration.plan.next_steps` needs of a job the instance knows."""
+    p = progress
+    return JobState(p.job_id, p.submitted, shard_count, p.estimated, dict(p.shards), p.finished, failures)
 
 
 def held_by_lease(run: dg.DagsterRun) -> bool:
@@ -111,19 +116,10 @@ def runs_of_job(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> 
     return runs_of_partitions(instance, [job_id, *shard_keys(job_id, shard_count)])
 
 
-@dataclass(frozen=True)
-class ShardFailure:
-    """The last failed run of a shard: when it failed (the storage id of its end, comparable with
-    those of the materializations in :class:`JobProgress`) and why."""
-
-    storage_id: int
-    reason: str
-
-
 def shard_failures(instance: dg.DagsterInstance, job_id: str, shard_count: int) -> dict[int, ShardFailure]:
     """The latest failed ``shard_job`` run of each shard of a job; its step retries are spent."""
     records = _run_records_of_partitions(
-        instance, shard_keys(job_id, shard_count), shard_job.name, [dg.DagsterRunStatus.FAILURE]
+        instance, shard_keys(job_id, shard_count), SHARD_JOB, [dg.DagsterRunStatus.FAILURE]
     )
     latest: dict[int, dg.RunRecord] = {}
     for record in records:  # newest first
@@ -150,7 +146,7 @@ def _run_failure_ids(instance: dg.DagsterInstance, records: Collection[dg.RunRec
         return {}
     since = min(r.create_timestamp for r in records).timestamp()
     event_filter = dg.RunStatusChangeRecordsFilter(
-        event_type=dg.DagsterEventType.RUN_FAILURE, job_names=[shard_job.name], after_timestamp=since - 1
+        event_type=dg.DagsterEventType.RUN_FAILURE, job_names=[SHARD_JOB], after_timestamp=since - 1
     )
     found: dict[str, int] = {}
     cursor = None

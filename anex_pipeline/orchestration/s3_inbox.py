@@ -12,7 +12,7 @@ from dagster_aws.s3.sensor import get_objects
 
 from anex_pipeline.options import MAX_OPTIONS_BYTES, SIDECAR_SUFFIX, check_options_size
 from anex_pipeline.orchestration.inboxes import Arrival, S3InboxSettings, bucket_arrivals, take_new
-from anex_pipeline.orchestration.jobs import submit_job
+from anex_pipeline.orchestration.names import SUBMIT_JOB
 from anex_pipeline.orchestration.resources import StorageResource
 
 
@@ -23,7 +23,7 @@ def s3_resource(storage: StorageResource) -> S3Resource:
 
 @dg.sensor(
     name="s3_inbox",
-    job=submit_job,
+    job_name=SUBMIT_JOB,
     minimum_interval_seconds=30,
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=(
