@@ -9,6 +9,7 @@ from typing import Any
 
 from anex_pipeline import settings
 from anex_pipeline.errors import RejectedError
+from anex_pipeline.workdir.locks import locked
 
 LOW_SPACE_BYTES = 1 << 20  # a disk with less free space than this is taken as full
 
@@ -45,7 +46,6 @@ def dagster_instance() -> Any:
     its SQLite storage on first use; that happens under a lock on the home, because commands
     started together on a new home would otherwise create the same tables twice and can leave
     the storage unusable for good."""
-    import fcntl
     import sqlite3
 
     import dagster as dg
@@ -58,8 +58,7 @@ def dagster_instance() -> Any:
     os.environ["DAGSTER_HOME"] = str(home)
     try:
         home.mkdir(parents=True, exist_ok=True)
-        with (home / ".instance.lock").open("ab") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+        with locked(home / ".instance.lock"):
             home_settings = home / "dagster.yaml"
             if not home_settings.exists():  # without one Dagster prints a warning and a telemetry banner
                 home_settings.write_text(NEW_HOME_SETTINGS, encoding="utf-8")

@@ -63,18 +63,14 @@ class JobRunner:
         instance: dg.DagsterInstance,
         storage: StorageConfig,
         engine: EngineConfig,
-        *,
-        warm_server: bool = False,
-        keep_warm: bool = False,
     ):
         """``storage`` and ``engine`` are plain settings (a Dagster resource is one too); the runner
         wraps them in the resources its Dagster runs use, the engine kept loaded between runs.
-        ``warm_server``: jobs run on the machine's shared model server when one is warm for them,
-        ``keep_warm``: one is started if none is, and stays warm after the runner is done (see
-        :class:`~anex_pipeline.orchestration.resources.EngineResource`)."""
+        The engine's ``warm_server`` and ``keep_warm`` send jobs to the machine's shared model server
+        (see :mod:`anex_pipeline.engine.modes`)."""
         self.instance = _safe_for_threads(instance)
         self.storage = StorageResource.wrapping(storage)
-        self.engine = EngineResource.wrapping(engine, keep_loaded=True, warm_server=warm_server, keep_warm=keep_warm)
+        self.engine = EngineResource.wrapping(engine, keep_loaded=True)
         self.defs = build_definitions(storage, self.engine, automation=False)
         self._leases: dict[str, IO[bytes]] = {}  # job id -> lease file, from submit to the end of run
         self._early_loads: set[str] = set()  # jobs whose engine started loading ahead of time

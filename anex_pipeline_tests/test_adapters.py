@@ -27,8 +27,8 @@ from anex_pipeline.engine.adapters import (
     parse_lora_module,
 )
 from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
-from anex_pipeline.engine.config import EngineSettings
-from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, ServerUnavailable, request_body
+from anex_pipeline.engine.config import EngineSettings, HttpSettings
+from anex_pipeline.engine.http.engine import OpenAIHttpEngine, ServerUnavailable, request_body
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.machine_server import server_command
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL

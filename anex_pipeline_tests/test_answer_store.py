@@ -309,6 +309,11 @@ NOT_ANSWER_SHAPING = {
     "api_key": "another-key",
     "max_concurrency": 7,
     "timeout_s": 5.0,
+    # where the engine runs: the machine's shared server runs the same engine settings
+    "machine_server": False,
+    "machine_server_idle_s": 5.0,
+    "warm_server": True,
+    "keep_warm": True,
 }
 ANSWER_SHAPING = {
     "kind": "http",

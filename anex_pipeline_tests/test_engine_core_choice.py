@@ -15,14 +15,7 @@ from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import vllm_settings
 from anex_pipeline.engine.machine_server import settings_key
 from anex_pipeline.engine.vllm.engine import MULTIPROCESSING_ENV, build_llm
-from anex_pipeline.workdir.manifest import JobManifest
-
-
-def manifest(rows: int) -> JobManifest:
-    return JobManifest(
-        job_id="j", input="in.jsonl", input_sha256="0", output="out.jsonl", report="r.json", format="jsonl",
-        endpoint="chat", model="m", model_name="m", options={}, total_rows=rows, shards=[], submitted_at=0,
-    )  # fmt: skip
+from anex_pipeline_tests.harness.manifests import job_manifest as manifest
 
 
 def test_small_jobs_get_the_core_in_process_and_the_rest_get_processes() -> None:

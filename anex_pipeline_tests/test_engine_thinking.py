@@ -194,7 +194,7 @@ def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
     storage = StorageResource(work_root=str(tmp_path / "served-work"))
     try:
         with local_instance() as inst:
-            served = JobRunner(inst, storage, EngineConfig(max_model_len=512), warm_server=True, keep_warm=True)
+            served = JobRunner(inst, storage, EngineConfig(max_model_len=512, warm_server=True, keep_warm=True))
             report = run_job(served, src, tmp_path / "served.jsonl", options)
             run_job(served, text_src, tmp_path / "served-text.jsonl", options)
             served.close()

@@ -24,9 +24,8 @@ from openai.types.responses import Response
 from anex_pipeline.cli import main
 from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.completions import Generated, chat_completion
-from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.config import EngineConfig, HttpSettings
 from anex_pipeline.engine.http.engine import (
-    HttpSettings,
     OpenAIHttpEngine,
     ServerUnavailable,
     could_share_enough,

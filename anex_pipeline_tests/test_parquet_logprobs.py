@@ -18,7 +18,8 @@ import pytest
 
 from anex_pipeline.cli import main
 from anex_pipeline.engine.base import resolve_request
-from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, request_body
+from anex_pipeline.engine.config import HttpSettings
+from anex_pipeline.engine.http.engine import OpenAIHttpEngine, request_body
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.formats import arrow_checkpoint, token_logprobs_of

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from anex_pipeline.cli import main
-from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine, ServerUnavailable
+from anex_pipeline.engine.config import HttpSettings
+from anex_pipeline.engine.http.engine import OpenAIHttpEngine, ServerUnavailable
 from anex_pipeline.engine.http.replicas import ServersDown, server_urls
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.orphans import signal_child_group

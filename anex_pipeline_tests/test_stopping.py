@@ -225,7 +225,8 @@ def test_a_cancel_that_lands_as_the_run_starts_is_not_lost(tmp_path: Path, monke
 
 
 def test_the_http_engine_stops_sending_at_a_stop_and_does_not_wait_for_the_rows_in_flight() -> None:
-    from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
+    from anex_pipeline.engine.config import HttpSettings
+    from anex_pipeline.engine.http.engine import OpenAIHttpEngine
     from anex_pipeline_tests.harness.openai_server import FakeServer
 
     server = FakeServer()

@@ -75,6 +75,9 @@ def _runner(args: argparse.Namespace) -> Any:
         max_concurrency=args.max_concurrency,
         lora_modules=lora_modules_of(getattr(args, "engine_lora_modules", None) or []),
         core_in_process_rows=SMALL_JOB_ROWS if args.own_terminal and args.command in ONE_JOB_COMMANDS else 0,
+        # A warm shared server serves `run` and `backfill` (the Batch API keeps its engine in its process).
+        warm_server=keep_engine or (args.command in ("run", "backfill") and settings.MACHINE_SERVER.get() != "0"),
+        keep_warm=keep_engine,
         **({"engine_args": given} if given is not None else {}),
     )
     _progress_logging(args.quiet)
@@ -87,9 +90,7 @@ def _runner(args: argparse.Namespace) -> Any:
         log_path = Path(storage.work_root).expanduser() / layout.LOGS_DIR / f"{args.command}-{stamp}-{os.getpid()}.log"
         quiet_engine_output(log_path)
         logging.getLogger(PROGRESS_LOGGER).info("engine and library messages go to %s (--verbose shows them)", log_path)
-    # A warm shared server serves `run` and `backfill` (the Batch API keeps its engine in its process).
-    warm = args.command in ("run", "backfill") and settings.MACHINE_SERVER.get() != "0"
-    return JobRunner(dagster_instance(), storage, engine, warm_server=warm or keep_engine, keep_warm=keep_engine)
+    return JobRunner(dagster_instance(), storage, engine)
 
 
 def _base_url(given: list[str] | None) -> str | None:

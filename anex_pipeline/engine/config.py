@@ -14,7 +14,19 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
+from anex_pipeline import settings
 from anex_pipeline.engine.engine_args import EngineArgError, check_engine_args
+from anex_pipeline.net.retry import RetryPolicy
+
+
+def _machine_server_on() -> bool:
+    """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s and ray executors."""
+    if settings.MACHINE_SERVER.is_set():
+        return settings.MACHINE_SERVER.get() != "0"
+    return settings.EXECUTOR.get() not in ("k8s", "ray")
+
+
+DEFAULT_IDLE_S = 600.0  # seconds the machine's shared model server stays up unused
 
 
 class EngineConfig(BaseModel):
@@ -56,7 +68,7 @@ class EngineConfig(BaseModel):
         "starts about 12 s sooner, and generates as fast). 0 = never. The command line sets it for small jobs.",
     )
     base_url: str | None = Field(
-        default_factory=lambda: os.environ.get("ANEX_ENGINE_BASE_URL") or None,
+        default_factory=lambda: settings.ENGINE_BASE_URL.get() or None,
         description="OpenAI-compatible server(s) to send rows to, e.g. http://gpu-1:8000, or a comma-separated "
         "list of replicas of one model; unset = vLLM in this process.",
     )
@@ -64,6 +76,25 @@ class EngineConfig(BaseModel):
         default=None, description="Bearer token for base_url (give it as an EnvVar to keep it out of run config)."
     )
     max_concurrency: int = Field(default=32, ge=1, description="HTTP mode: requests in flight at once per server.")
+    machine_server: bool = Field(
+        default_factory=_machine_server_on,
+        description="vLLM engine: share one model server per machine between the step processes, "
+        "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
+        "with ANEX_EXECUTOR=k8s or ray, where each step has a pod or a Ray job of its own).",
+    )
+    machine_server_idle_s: float = Field(
+        default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
+    )
+    warm_server: bool = Field(
+        default=False,
+        description="With machine_server off: use the machine's shared model server when one is up for the "
+        "job's model and engine settings, else load the model in this process.",
+    )
+    keep_warm: bool = Field(
+        default=False,
+        description="With warm_server: start the shared model server when none is up, so that it stays warm "
+        "for machine_server_idle_s after the run.",
+    )
     timeout_s: float = Field(default=600.0, gt=0, description="HTTP mode: seconds one request may take.")
 
     @field_validator("engine_args")
@@ -109,3 +140,24 @@ class EngineSettings:
     # vLLM's engine core in this process (see build_llm). How the engine runs, not what it answers:
     # left out of the comparison, so an engine or a shared server of either kind serves both.
     core_in_process: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Where and how to reach the servers; two equal settings share one client."""
+
+    # e.g. http://gpu-1:8000 (a trailing /v1 is accepted); several: a comma-separated list or a tuple
+    base_url: str | tuple[str, ...]
+    model_name: str  # the job's model
+    model_named: bool = False  # the job named its model, so the server must serve exactly that one
+    adapters: tuple[str, ...] = ()  # the job's LoRA adapters, which the server must serve too
+    api_key: str | None = None
+    max_concurrency: int = 32  # per server
+    timeout_s: float = 600.0  # per request, generation included
+    retries: int = 4  # further attempts after the first
+    backoff_s: float = 1.0  # first wait; doubles on every retry
+    max_wait_s: float = 60.0  # cap on one wait, Retry-After included
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(retries=self.retries, backoff_s=self.backoff_s, max_wait_s=self.max_wait_s)

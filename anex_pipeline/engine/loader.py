@@ -18,11 +18,9 @@ from typing import Any, Literal
 from anex_pipeline import metrics
 from anex_pipeline.console import PROGRESS_FIELD, PROGRESS_LOGGER, EngineLoad
 from anex_pipeline.engine.base import Engine
-from anex_pipeline.engine.config import EngineConfig, EngineSettings
+from anex_pipeline.engine.config import EngineConfig, EngineSettings, HttpSettings
 from anex_pipeline.engine.engine_args import canonical, vllm_version
-from anex_pipeline.engine.http.continuation import TraceContinuation
-from anex_pipeline.engine.http.engine import HttpSettings, OpenAIHttpEngine
-from anex_pipeline.engine.http.replicas import server_urls
+from anex_pipeline.engine.modes import EngineMode, core_in_process, engine_kind, engine_mode
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.request_fields import POOLING
@@ -32,6 +30,7 @@ __all__ = [
     "engine_for",
     "engine_key",
     "engine_kind",
+    "job_engine",
     "load_engine",
     "machine_engine",
     "register_engine",
@@ -61,6 +60,8 @@ def load_engine(settings: EngineSettings | HttpSettings) -> Engine:
         if settings in _loaded:
             return _loaded[settings]
         if isinstance(settings, HttpSettings):
+            from anex_pipeline.engine.http.engine import OpenAIHttpEngine
+
             with metrics.engine_load() as ready:
                 engine = _loaded[settings] = OpenAIHttpEngine(settings)
                 ready(engine)
@@ -152,20 +153,8 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         reasoning_parser=parsers.reasoning,
         tool_parser=parsers.tool,
         lora_modules=canonical(manifest.job_options().lora_modules or {}),
-        core_in_process=_core_in_process(config, manifest),
+        core_in_process=core_in_process(config, manifest),
     )
-
-
-PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-
-
-def _core_in_process(config: EngineConfig, manifest: JobManifest) -> bool:
-    """Whether the job is small enough for vLLM's engine core in this process; a model spread over
-    several devices always gets its processes (one per device)."""
-    if config.core_in_process_rows == 0:  # never (a service's warm-up loads for a job of no rows yet)
-        return False
-    parallel = any(int(config.engine_args.get(name) or 1) > 1 for name in PARALLEL_ARGS)
-    return not parallel and manifest.total_rows <= config.core_in_process_rows
 
 
 def _vllm_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
@@ -173,6 +162,8 @@ def _vllm_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
 
 
 def _http_settings(config: EngineConfig, manifest: JobManifest) -> HttpSettings:
+    from anex_pipeline.engine.http.replicas import server_urls
+
     if not config.base_url:
         raise EngineLoadFailed("the http engine needs base_url: the address of an OpenAI-compatible server")
     try:
@@ -225,11 +216,6 @@ def engine_for(config: EngineConfig, manifest: JobManifest) -> Engine:
     return factory(config, manifest)
 
 
-def engine_kind(config: EngineConfig) -> str:
-    """The registry name of the engine these settings pick (``auto``: http with a base_url, else vllm)."""
-    return config.kind if config.kind != "auto" else ("http" if config.base_url else "vllm")
-
-
 def schedules_by_priority(config: EngineConfig) -> bool | None:
     """Whether the engine these settings pick orders rows by their ``priority`` (vLLM's
     ``scheduling_policy``); None for any other engine (a model server decides for itself)."""
@@ -247,6 +233,7 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
         return engine_for(config, manifest) if start else None
     from anex_pipeline.engine import machine_server
     from anex_pipeline.engine.engine_args import engine_kwargs
+    from anex_pipeline.engine.http.continuation import TraceContinuation
     from anex_pipeline.engine.machine_server import server_for
 
     settings = vllm_settings(config, manifest)
@@ -267,3 +254,26 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
         "engine_args": {k: v for k, v in given.items() if k != "model"},
     }
     return engine
+
+
+def job_engine(config: EngineConfig, manifest: JobManifest) -> Engine:
+    """The engine a job runs on, in the mode these settings pick (:mod:`~anex_pipeline.engine.modes`):
+    the machine's shared server when the mode sends the job there and one is up (or may be
+    started), else the engine of the settings' kind in this process."""
+    mode = engine_mode(config, manifest)
+    if mode in (EngineMode.MACHINE_SERVER, EngineMode.WARM_SERVER):
+        start = mode is EngineMode.MACHINE_SERVER or config.keep_warm
+        shared = machine_engine(config, manifest, config.machine_server_idle_s, start=start)
+        if shared is not None:
+            return shared
+    return engine_for(config, manifest)
+
+
+def loads_here(config: EngineConfig, manifest: JobManifest) -> bool:
+    """Whether the job's vLLM engine would be built in this process (not on a shared server)."""
+    mode = engine_mode(config, manifest)
+    if mode is EngineMode.WARM_SERVER:
+        return (
+            not config.keep_warm and machine_engine(config, manifest, config.machine_server_idle_s, start=False) is None
+        )
+    return mode in (EngineMode.IN_PROCESS, EngineMode.IN_PROCESS_CORE)

@@ -56,6 +56,7 @@ from typing import Any
 
 # DETACHED is this module's name: the orphan guards spare the supervisor that runs it.
 from anex_pipeline.console import PROGRESS_LOGGER
+from anex_pipeline.engine.config import DEFAULT_IDLE_S
 from anex_pipeline.engine.orphans import (
     DETACHED,
     PID_MAX,
@@ -71,11 +72,11 @@ from anex_pipeline.engine.orphans import (
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode
 from anex_pipeline.paths import machine_server_dir, private_problem
+from anex_pipeline.workdir.locks import LockTimeout, locked
 
 START_TIMEOUT_S = 600.0  # how long a server may take to answer after it started
 HEALTH_TIMEOUT_S = 10.0
 POLL_S = 0.5
-DEFAULT_IDLE_S = 600.0
 OTHER_SETTINGS_WAIT_S = 900.0  # how long a step waits for a busy server of other settings
 STATE_MAX_BYTES = 1 << 20
 
@@ -302,12 +303,9 @@ def server_for(
     stopped). A server busy with other settings is waited for up to
     ``wait_s`` (then :class:`ServerBusy`). The waits sleep in short steps, so a stop signal
     (which raises in a step waiting for its engine) cuts them short."""
-    from filelock import FileLock
-
     folder = private_folder(folder or machine_server_dir())
-    lock = FileLock(str(folder / "lock"))
     key = settings_key(settings)
-    with lock:  # the lock polls in short sleeps: a stop signal still gets through
+    with locked(folder / "lock"):  # the lock polls in short sleeps: a stop signal still gets through
         state = read_state(folder)
         if state is not None and alive(state) and state.key == key and healthy(state.url) and knows_token(state):
             os.utime(folder / "state.json")  # activity: the idle clock starts again
@@ -423,12 +421,10 @@ def _start(folder: Path, settings: Any, key: str, idle_s: float) -> ServerState:
 
 def stop_server(folder: Path | None = None) -> ServerState | None:
     """Stops this machine's model server, if one runs; returns what it was."""
-    from filelock import FileLock
-
     folder = folder or machine_server_dir()
     if not (folder / "lock").exists():
         return None
-    with FileLock(str(private_folder(folder) / "lock")):
+    with locked(private_folder(folder) / "lock"):
         state = read_state(folder)
         if state is not None:
             _terminate(state)
@@ -477,14 +473,12 @@ def supervise(folder: Path, idle_s: float, command: list[str]) -> int:
 
 def _forget(folder: Path) -> None:
     """Removes the state file if it still names this supervisor."""
-    from filelock import FileLock, Timeout
-
     try:
-        with FileLock(str(folder / "lock"), timeout=5):
+        with locked(folder / "lock", timeout=5):
             state = read_state(folder)
             if state is not None and state.pid == os.getpid():
                 (folder / "state.json").unlink(missing_ok=True)
-    except (Timeout, UnsafeStateFolder):  # a step holds the lock (it finds this supervisor gone); or not ours
+    except (LockTimeout, UnsafeStateFolder):  # a step holds the lock (it finds this supervisor gone); or not ours
         pass
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from anex_pipeline.paths import models_dir
 from anex_pipeline.spec import MISSING_PARAMETER, JobRejected, Problem
+from anex_pipeline.workdir.locks import locked
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -121,11 +122,9 @@ def prepare_default_chat_model() -> Path:
     if _is_complete(target):
         return target
 
-    from filelock import FileLock  # a vLLM dependency; imported late like the rest
-
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(parent / f".{target.name}.lock")):
+    with locked(parent / f".{target.name}.lock"):
         if _is_complete(target):  # another process finished while we waited
             return target
         # Only the lock holder creates temporary folders, so any left now are from a crash.

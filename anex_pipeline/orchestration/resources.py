@@ -16,8 +16,7 @@ from anex_pipeline import settings
 from anex_pipeline.engine import collector
 from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
-from anex_pipeline.engine.loader import engine_for, engine_kind, machine_engine, release_engines
-from anex_pipeline.engine.machine_server import DEFAULT_IDLE_S
+from anex_pipeline.engine.loader import job_engine, loads_here, release_engines
 from anex_pipeline.engine.vllm.engine import configure_vllm_logging
 from anex_pipeline.storage import StorageConfig
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
@@ -39,13 +38,6 @@ class StorageResource(dg.ConfigurableResource, StorageConfig):
         return cls(**from_environment(cls, {"work_root": settings.WORK_DIR}))
 
 
-def _machine_server_on() -> bool:
-    """On unless ANEX_MACHINE_SERVER is 0; unset, off with the k8s and ray executors."""
-    if settings.MACHINE_SERVER.is_set():
-        return settings.MACHINE_SERVER.get() != "0"
-    return settings.EXECUTOR.get() not in ("k8s", "ray")
-
-
 def from_environment(resource: type[dg.ConfigurableResource], fields: Mapping[str, settings.Setting]) -> dict[str, Any]:
     """The fields of ``resource`` that the environment sets, as ``dg.EnvVar``: Dagster shows the
     variable (not its value) in the UI and reads it where each run or tick starts. An unset
@@ -64,61 +56,26 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
     Dagster runs each step in a process of its own, so by default the vLLM engine is not loaded
     in the step: the steps of every job on the machine share one model server
     (:mod:`anex_pipeline.engine.machine_server`), which ends after ``machine_server_idle_s``
-    without requests. One process running every step (the CLI, the Batch API) turns it off."""
+    without requests. One process running every step (the CLI, the Batch API) turns it off
+    (:meth:`wrapping`). Which engine a job gets: :mod:`anex_pipeline.engine.modes`."""
 
     keep_loaded: bool = Field(
         default=False, description="Keep the engine loaded after the run (the CLI shares it across runs)."
     )
-    machine_server: bool = Field(
-        default_factory=_machine_server_on,
-        description="vLLM engine: share one model server per machine between the step processes, "
-        "instead of loading the model in each (ANEX_MACHINE_SERVER=0 turns it off; off by default "
-        "with ANEX_EXECUTOR=k8s or ray, where each step has a pod or a Ray job of its own).",
-    )
-    machine_server_idle_s: float = Field(
-        default=DEFAULT_IDLE_S, gt=0, description="The shared model server ends after this many seconds unused."
-    )
-    warm_server: bool = Field(
-        default=False,
-        description="With machine_server off: use the machine's shared model server when one is up for the "
-        "job's model and engine settings, else load the model in this process.",
-    )
-    keep_warm: bool = Field(
-        default=False,
-        description="With warm_server: start the shared model server when none is up, so that it stays warm "
-        "for machine_server_idle_s after the run.",
-    )
 
     @classmethod
-    def wrapping(
-        cls, config: EngineConfig, *, keep_loaded: bool = False, warm_server: bool = False, keep_warm: bool = False
-    ) -> EngineResource:
+    def wrapping(cls, config: EngineConfig, *, keep_loaded: bool = False) -> EngineResource:
         """The resource for one process that runs every step itself: the engine in that process
-        (or, with ``warm_server``, the machine's shared server when one is warm; see the fields)."""
+        (or, with the config's ``warm_server``, the machine's shared server when one is warm)."""
         fields = {name: getattr(config, name) for name in EngineConfig.model_fields}
-        return cls(
-            **fields, keep_loaded=keep_loaded, machine_server=False, warm_server=warm_server, keep_warm=keep_warm
-        )
+        return cls(**{**fields, "machine_server": False}, keep_loaded=keep_loaded)
 
     def engine_for(self, manifest: JobManifest, job: JobDir | None = None) -> Engine:
         """The job's engine; with ``job``, what it is goes into the job's report."""
-        engine = self._shared_server(manifest, start=True) or engine_for(self.plain(), manifest)
+        engine = job_engine(self.plain(), manifest)
         if job is not None:
             record_engine(job, engine.report_section())
         return engine
-
-    def _sends_to_shared_server(self) -> bool:
-        """Whether these settings send the job to the machine's shared server (when one is up, or
-        when this resource starts one: ``machine_server`` or ``keep_warm``)."""
-        return self.machine_server or self.warm_server
-
-    def _shared_server(self, manifest: JobManifest, *, start: bool) -> Engine | None:
-        """The machine's shared server for the job, when these settings send it there (with
-        ``start=False``, only one that is up already)."""
-        if not self._sends_to_shared_server():
-            return None
-        start = start and (self.machine_server or self.keep_warm)
-        return machine_engine(self.plain(), manifest, self.machine_server_idle_s, start=start)
 
     def load_ahead(self, manifest: JobManifest, loaded: Callable[[float], None], thread_name: str) -> None:
         """Loads the job's engine on a thread of its own while this one goes on; ``loaded`` gets
@@ -129,10 +86,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
         of its own, while this thread logs (Dagster's handlers do), the two threads once deadlocked
         on logging's locks, so when the engine is to be built in this process the set-up is done
         here first, on this thread."""
-        shared = self._sends_to_shared_server() and (
-            self.machine_server or self.keep_warm or self._shared_server(manifest, start=False) is not None
-        )
-        if engine_kind(self.plain()) == "vllm" and not shared:
+        if loads_here(self.plain(), manifest):
             configure_vllm_logging()
 
         def load() -> None:

@@ -51,7 +51,8 @@ def engine_identity(config: EngineConfig, manifest: JobManifest) -> str:
     endpoint the rows were written for (a responses row runs as the chat row it means, and its
     answer is a Responses object)."""
     from anex_pipeline.engine.engine_args import vllm_version
-    from anex_pipeline.engine.loader import engine_kind, vllm_settings
+    from anex_pipeline.engine.loader import vllm_settings
+    from anex_pipeline.engine.modes import engine_kind
 
     engine = vllm_settings(config, manifest)
     settings = {

@@ -3,23 +3,15 @@ steps, and the Dagster driver leaves such a job alone."""
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import time
 from typing import IO
 
+from anex_pipeline.workdir.locks import flock, try_flock
 from anex_pipeline.workdir.manifest import JobDir
 
 progress_log = logging.getLogger("anex_pipeline.progress")
-
-
-def _lock(lease: IO[bytes], mode: int) -> bool:
-    try:
-        fcntl.flock(lease, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def take_lease(job: JobDir) -> IO[bytes]:
@@ -31,11 +23,11 @@ def take_lease(job: JobDir) -> IO[bytes]:
     """
     while True:
         lease = _open(job)
-        if not _lock(lease, fcntl.LOCK_EX):
+        if not try_flock(lease):
             time.sleep(0.2)  # job_driver only looks at the lock for a moment
-            if not _lock(lease, fcntl.LOCK_EX):
+            if not try_flock(lease):
                 progress_log.warning("job %s is being run by another process; waiting for it to end", job.job_id)
-                fcntl.flock(lease, fcntl.LOCK_EX)
+                flock(lease)
         if _still_in_place(lease, job):
             return lease
         lease.close()  # the holder deleted the job meanwhile: lock the file of its new folder
@@ -44,7 +36,7 @@ def take_lease(job: JobDir) -> IO[bytes]:
 def try_lease(job: JobDir) -> IO[bytes] | None:
     """The job's lease if no live process holds it (kept until the returned file is closed), else None."""
     lease = _open(job)
-    if _lock(lease, fcntl.LOCK_EX) and _still_in_place(lease, job):
+    if try_flock(lease) and _still_in_place(lease, job):
         return lease
     lease.close()
     return None
@@ -74,4 +66,4 @@ def lease_held(job: JobDir) -> bool:
     except FileNotFoundError:
         return False
     with lease:
-        return not _lock(lease, fcntl.LOCK_SH)  # closing the file lets go of the lock at once
+        return not try_flock(lease, shared=True)  # closing the file lets go of the lock at once

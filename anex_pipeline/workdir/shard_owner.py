@@ -14,7 +14,6 @@ so it works wherever the work folder's ``flock`` does (local disks; NFS maps it 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -25,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from anex_pipeline.errors import AnexError
+from anex_pipeline.workdir.locks import LockTimeout, locked
 from anex_pipeline.workdir.manifest import atomic_write_text
 
 OWNER_FILE = "owner.json"
@@ -88,21 +88,12 @@ class ShardOwner:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        with (self.shard_dir / LOCK_FILE).open("a") as f:
-            deadline = time.monotonic() + CLAIM_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ShardLocked(
-                            f"shard {self.shard}'s checkpoint lock ({self.shard_dir / LOCK_FILE}) has been held for "
-                            f"{CLAIM_WAIT_S:.0f} s by a writer that does not go on (a frozen process?); "
-                            "end that process, or retry the shard"
-                        ) from None
-                    time.sleep(0.05)
-            try:
+        try:
+            with locked(self.shard_dir / LOCK_FILE, timeout=CLAIM_WAIT_S):
                 yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        except LockTimeout:
+            raise ShardLocked(
+                f"shard {self.shard}'s checkpoint lock ({self.shard_dir / LOCK_FILE}) has been held for "
+                f"{CLAIM_WAIT_S:.0f} s by a writer that does not go on (a frozen process?); "
+                "end that process, or retry the shard"
+            ) from None

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline.workdir.locks import locked
 from anex_pipeline.workdir.manifest import JobDir, atomic_write_text
 
 _sums_lock = threading.Lock()  # the CLI's engine-loading thread records its time too
@@ -17,9 +18,7 @@ def _add_to(path: Path, amounts: dict[str, float]) -> None:
     """Adds to the sums in ``path``, under a lock file beside it: a job's shard steps may run in
     other processes at once (Dagster's multiprocess executor, Ray nodes sharing the work folder),
     and a read-modify-write of one of them would otherwise lose another's amounts."""
-    from filelock import FileLock
-
-    with _sums_lock, FileLock(path.with_name(path.name + ".lock")):
+    with _sums_lock, locked(path.with_name(path.name + ".lock")):
         sums = json.loads(path.read_text()) if path.exists() else {}
         for name, amount in amounts.items():
             sums[name] = round(sums.get(name, 0) + amount, 3)

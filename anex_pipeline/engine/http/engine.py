@@ -35,11 +35,12 @@ import httpx
 
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
 from anex_pipeline.engine.completions import encoded_vector, row_usage, unit_vector
+from anex_pipeline.engine.config import HttpSettings
 from anex_pipeline.engine.http.continuation import TraceContinuation
 from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, server_root, server_urls
 from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
-from anex_pipeline.net.retry import RetryPolicy, retryable_status
+from anex_pipeline.net.retry import retryable_status
 from anex_pipeline.request_fields import PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
@@ -57,27 +58,6 @@ ENDPOINT_PATHS = {
 _OPENAI_ERROR_TYPE = re.compile(r"[a-z]+(_[a-z]+)*")
 STOP_POLL_S = 0.2  # longest wait between two stop checks while requests are in flight
 PROBE_TIMEOUT_S = 5.0  # a server that was taken out must answer its model list within this
-
-
-@dataclass(frozen=True)
-class HttpSettings:
-    """Where and how to reach the servers; two equal settings share one client."""
-
-    # e.g. http://gpu-1:8000 (a trailing /v1 is accepted); several: a comma-separated list or a tuple
-    base_url: str | tuple[str, ...]
-    model_name: str  # the job's model
-    model_named: bool = False  # the job named its model, so the server must serve exactly that one
-    adapters: tuple[str, ...] = ()  # the job's LoRA adapters, which the server must serve too
-    api_key: str | None = None
-    max_concurrency: int = 32  # per server
-    timeout_s: float = 600.0  # per request, generation included
-    retries: int = 4  # further attempts after the first
-    backoff_s: float = 1.0  # first wait; doubles on every retry
-    max_wait_s: float = 60.0  # cap on one wait, Retry-After included
-
-    @property
-    def policy(self) -> RetryPolicy:
-        return RetryPolicy(retries=self.retries, backoff_s=self.backoff_s, max_wait_s=self.max_wait_s)
 
 
 class ServerUnavailable(AnexError, RuntimeError):
