@@ -680,11 +680,11 @@ def test_every_connection_passes_the_address_guard(
     hop = f"http://{target.replace('PORT', str(forbidden.port))}/img/a.png"
     url = server.url(f"/redirect?to={hop}") if redirect else hop
     started = time.monotonic()
-    with MediaFetcher(allowing(server, timeout_s=1.0)) as fetcher, pytest.raises(MediaFetchError) as caught:
+    with MediaFetcher(allowing(server, timeout_s=5.0)) as fetcher, pytest.raises(MediaFetchError) as caught:
         fetcher.fetch(url)
     via = f"after a redirect to {hop}, " if redirect else ""
     assert str(caught.value).startswith(f"media {url} could not be fetched: {via}{says}")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 4.0, "refused before any connection, not after the request's deadline"
     assert forbidden.total_hits() == 0
 
 
