@@ -30,9 +30,9 @@ from anex_pipeline.engine.base import Engine, EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineSettings, HttpSettings
 from anex_pipeline.engine.http.engine import OpenAIHttpEngine, ServerUnavailable, request_body
 from anex_pipeline.engine.loader import register_engine
-from anex_pipeline.engine.machine_server import server_command
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.prefix_order import PrefixCache, prefix_order
+from anex_pipeline.engine.server.machine_server import server_command
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import InputRow, JobOptions, RowOutcome

@@ -391,7 +391,7 @@ def test_the_gpu_step_the_vllm_server_and_the_machine_server_carry_the_same_engi
 ) -> None:
     from anex_pipeline.engine.engine_args import cli_flags
     from anex_pipeline.engine.loader import vllm_settings
-    from anex_pipeline.engine.machine_server import server_command
+    from anex_pipeline.engine.server.machine_server import server_command
     from anex_pipeline.orchestration.resources import EngineResource
     from anex_pipeline.workdir.manifest import JobManifest
 

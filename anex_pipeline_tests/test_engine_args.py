@@ -26,8 +26,8 @@ from anex_pipeline.engine.engine_args import (
     engine_kwargs,
     parse_engine_arg,
 )
-from anex_pipeline.engine.machine_server import server_command, settings_key
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.server.machine_server import server_command, settings_key
 from anex_pipeline.engine.vllm import engine as vllm_engine
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, run_job, write_jsonl

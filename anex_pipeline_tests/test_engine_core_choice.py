@@ -13,7 +13,7 @@ from anex_pipeline.engine import loader
 from anex_pipeline.engine.base import Engine
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import vllm_settings
-from anex_pipeline.engine.machine_server import settings_key
+from anex_pipeline.engine.server.machine_server import settings_key
 from anex_pipeline.engine.vllm.engine import MULTIPROCESSING_ENV, build_llm
 from anex_pipeline_tests.harness.manifests import job_manifest as manifest
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from anex_pipeline.engine.loader import load_engine, release_engines, vllm_settings
-from anex_pipeline.engine.machine_server import server_for, stop_server
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, prepare_default_chat_model
+from anex_pipeline.engine.server.machine_server import server_for, stop_server
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobReport

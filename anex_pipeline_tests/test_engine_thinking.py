@@ -18,8 +18,8 @@ from openai.types.chat import ChatCompletion
 
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.loader import release_engines
-from anex_pipeline.engine.machine_server import stop_server
 from anex_pipeline.engine.parsing import BUDGET_NOTICE
+from anex_pipeline.engine.server.machine_server import stop_server
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.runner import JobRunner
 from anex_pipeline_tests.harness.jobs import answers, chat_row, local_instance, read_jsonl, run_job, write_jsonl

@@ -34,10 +34,10 @@ from anex_pipeline.engine.http.engine import (
     tokenize_body,
 )
 from anex_pipeline.engine.http.replicas import ServersDown
-from anex_pipeline.engine.machine_server import prefix_cache
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
 from anex_pipeline.engine.prefix_order import PrefixCache, ordered
 from anex_pipeline.engine.rows import run_checked
+from anex_pipeline.engine.server.machine_server import prefix_cache
 from anex_pipeline.orchestration.resources import StorageResource
 from anex_pipeline.responses import chat_row as chat_row_of
 from anex_pipeline.runner import JobRunner

@@ -25,10 +25,12 @@ import dagster as dg
 import pytest
 
 from anex_pipeline.cli import main as cli_main
-from anex_pipeline.engine import machine_server
 from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.loader import _loaded
-from anex_pipeline.engine.machine_server import (
+from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descendants, running, signal_if_same, start_time
+from anex_pipeline.engine.server import machine_server
+from anex_pipeline.engine.server.machine_server import (
     ServerBusy,
     UnsafeStateFolder,
     alive,
@@ -39,8 +41,6 @@ from anex_pipeline.engine.machine_server import (
     starts,
     stop_server,
 )
-from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
-from anex_pipeline.engine.orphans import RESOURCE_TRACKER, cmdline_has, descendants, running, signal_if_same, start_time
 from anex_pipeline.orchestration.partitions import JOBS
 from anex_pipeline.runner import QUIET_LOGGERS
 from anex_pipeline_tests.harness.deployment import Deployment
@@ -80,7 +80,7 @@ def wait_until(condition: object, what: str, timeout_s: float = 60.0) -> None:
 @pytest.mark.engine
 def test_racing_processes_start_one_server_a_killed_one_is_replaced_an_idle_one_ends(server_dir: Path) -> None:
     code = SETTINGS_CODE + (
-        "import sys\nfrom pathlib import Path\nfrom anex_pipeline.engine.machine_server import server_for\n"
+        "import sys\nfrom pathlib import Path\nfrom anex_pipeline.engine.server.machine_server import server_for\n"
         "print(server_for(settings, idle_s=600, folder=Path(sys.argv[1])).url)\n"
     )
     racers = [
@@ -247,7 +247,7 @@ def test_a_dead_supervisors_strays_are_ended_by_pid_and_start_time(
 NAMESPACE_CHECK = """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
-from anex_pipeline.engine.machine_server import read_state, stop_server
+from anex_pipeline.engine.server.machine_server import read_state, stop_server
 from anex_pipeline.engine.orphans import running, signal_if_same, start_time
 
 folder = Path(sys.argv[1])

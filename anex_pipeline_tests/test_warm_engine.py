@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from anex_pipeline.engine.machine_server import alive, read_state, starts, stop_server
+from anex_pipeline.engine.server.machine_server import alive, read_state, starts, stop_server
 from anex_pipeline_tests.harness.jobs import REPO, chat_row, read_jsonl, write_jsonl
 
 FIRST_ANSWER_S = 5.0

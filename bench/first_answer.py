@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from anex_pipeline.engine.machine_server import stop_server
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.server.machine_server import stop_server
 from bench.vs_run_batch import make_input, run_peer
 
 

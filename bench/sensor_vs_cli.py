@@ -127,7 +127,7 @@ def main() -> None:
     shutil.copy(REPO / "dagster.yaml", root / "home" / "dagster.yaml")
     dagster(env, "sensor", "start", "local_inbox")
     dagster(env, "sensor", "start", "job_driver")
-    from anex_pipeline.engine.machine_server import stop_server
+    from anex_pipeline.engine.server.machine_server import stop_server
 
     with (root / "daemon.log").open("wb") as log:
         daemon = subprocess.Popen(

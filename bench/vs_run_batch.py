@@ -21,8 +21,8 @@ from pathlib import Path
 
 from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.engine_args import canonical, cli_flags, engine_kwargs, parse_engine_arg
-from anex_pipeline.engine.machine_server import cpu_build
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL, local_model_path
+from anex_pipeline.engine.server.machine_server import cpu_build
 
 SYSTEMS = [
     "You are a concise assistant.",

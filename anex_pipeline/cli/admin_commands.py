@@ -71,7 +71,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_machine_server(args: argparse.Namespace) -> int:
-    from anex_pipeline.engine.machine_server import alive, read_state, stop_server
+    from anex_pipeline.engine.server.machine_server import alive, read_state, stop_server
     from anex_pipeline.paths import machine_server_dir
 
     folder = machine_server_dir()

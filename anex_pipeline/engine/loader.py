@@ -231,10 +231,10 @@ def machine_engine(config: EngineConfig, manifest: JobManifest, idle_s: float, *
     (or the engine is not vLLM)."""
     if engine_kind(config) != "vllm":
         return engine_for(config, manifest) if start else None
-    from anex_pipeline.engine import machine_server
     from anex_pipeline.engine.engine_args import engine_kwargs
     from anex_pipeline.engine.http.continuation import TraceContinuation
-    from anex_pipeline.engine.machine_server import server_for
+    from anex_pipeline.engine.server import machine_server
+    from anex_pipeline.engine.server.machine_server import server_for
 
     settings = vllm_settings(config, manifest)
     server = server_for(settings, idle_s, start=start)

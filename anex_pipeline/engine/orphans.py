@@ -17,7 +17,7 @@ init); a process that leads a session of its own, as the shared server's supervi
 the guard to also kill what is left in its group, where such a process still is. A
 multiprocessing resource tracker is spared: it ends by itself once the processes it serves are
 gone, after removing the shared memory they left behind. So is the machine's shared model
-server (``anex_pipeline.engine.machine_server``) with everything under it: it is meant to
+server (``anex_pipeline.engine.server.machine_server``) with everything under it: it is meant to
 outlive the process that started it.
 
 The guard is this file run as a script in an isolated interpreter (standard library only), so it
@@ -43,7 +43,7 @@ from typing import Any
 
 SCAN_INTERVAL_S = 0.2
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
-DETACHED = b"anex_pipeline.engine.machine_server"  # the shared model server's supervisor
+DETACHED = b"anex_pipeline.engine.server.machine_server"  # the shared model server's supervisor
 PPID, PGRP, START = 1, 2, 19  # fields of /proc/<pid>/stat, counted after the command name
 PIDFD_SIGNAL_PROCESS_GROUP = 4  # pidfd_send_signal flag (Linux 6.9): the group the process leads
 PID_MAX = 1 << 22  # the kernel's largest pid_max

@@ -55,7 +55,7 @@ class EngineResource(dg.ConfigurableResource, EngineConfig):
 
     Dagster runs each step in a process of its own, so by default the vLLM engine is not loaded
     in the step: the steps of every job on the machine share one model server
-    (:mod:`anex_pipeline.engine.machine_server`), which ends after ``machine_server_idle_s``
+    (:mod:`anex_pipeline.engine.server.machine_server`), which ends after ``machine_server_idle_s``
     without requests. One process running every step (the CLI, the Batch API) turns it off
     (:meth:`wrapping`). Which engine a job gets: :mod:`anex_pipeline.engine.modes`."""
 

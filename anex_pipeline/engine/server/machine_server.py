@@ -30,7 +30,7 @@ under it (which that signal does not reach) by an orphan guard of the supervisor
 start adds a line to ``machine-server/starts.log``.
 
 At about 470 lines this module is over the project's usual size because the supervisor runs as
-this very module (``python -m anex_pipeline.engine.machine_server``, the name the orphan guard
+this very module (``python -m anex_pipeline.engine.server.machine_server``, the name the orphan guard
 recognises it by) and shares the state file's reading, locking and pid checks with the steps
 that find or stop the server; apart, those would be two copies of the same trust rules.
 """
