@@ -139,17 +139,10 @@ class BatchApi:
 
     async def delete_file(self, request: Request) -> Response:
         def delete() -> dict[str, Any]:
-            with self.store.inputs:  # no batch is made from the file between the check and the removal
-                record = self._file(request)
-                if (batch := self.store.in_use(record.id)) is not None:
-                    raise ApiError(
-                        400,
-                        f"File {record.id} is the input of batch {batch.id}, which is {batch.status}; delete it "
-                        "once the batch has finished, or cancel the batch.",
-                        param="file_id",
-                    )
-                runner = self.worker.runner
-                forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
+            # Refused while an unfinished batch uses the file; a batch made from it meanwhile waits.
+            record = self.store.remove_unused_file(self.owner(request), request.path_params["file_id"])
+            runner = self.worker.runner
+            forget_file(runner.instance, self.store, Path(runner.storage.work_root).expanduser(), record)
             return {"id": record.id, "object": "file", "deleted": True}
 
         return JSONResponse(await run_in_threadpool(delete))
@@ -212,8 +205,8 @@ class BatchApi:
             embedded=body.requests is not None,
             output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
         )
-        try:
-            stored = self._register(owner, record, idempotency_key)
+        try:  # the store checks the input file (404, 400) and the idempotency key
+            stored = self.store.add_batch(record, idempotency_key)
         except BaseException:
             if embedded is not None:
                 self.store.remove_file(embedded)
@@ -223,21 +216,6 @@ class BatchApi:
         elif embedded is not None:  # the batch made earlier with this idempotency key has its own input
             self.store.remove_file(embedded)
         return stored
-
-    def _register(self, owner: str, record: BatchRecord, idempotency_key: str | None) -> BatchRecord:
-        """Registers the batch if its input file is there (and no batch was made earlier with the
-        idempotency key); a delete of the file waits until the batch has its own copy."""
-        with self.store.inputs:
-            found = self.store.file(owner, record.input_file_id)
-            if found is None:
-                raise not_found("file", record.input_file_id)
-            if found.purpose != "batch":
-                raise ApiError(
-                    400,
-                    f"File {record.input_file_id} is a {found.purpose} file, not a batch input.",
-                    param="input_file_id",
-                )
-            return self.store.add_batch(record, idempotency_key)
 
     def _embedded_input(self, owner: str, batch_id: str, body: CreateBatch) -> FileRecord:
         """Writes embedded requests as a batch input file (requests[N] is line N+1 in its errors)."""

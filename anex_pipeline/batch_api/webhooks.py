@@ -1,8 +1,9 @@
 """Batch events for the operator's webhook: OpenAI's event objects, signed as Standard Webhooks.
 
 When a batch ends, the store keeps an event for it (``batch.completed``, ``batch.failed``,
-``batch.cancelled`` or ``batch.expired``) beside the batch's record, in the same lock; a sender
-thread posts each pending event to the webhook URL and forgets it once the receiver answers 2xx.
+``batch.cancelled`` or ``batch.expired``) beside the batch's record, in the same transaction; a
+sender thread claims each pending event (so that of several senders on one database only one tries
+it), posts it to the webhook URL and forgets it once the receiver answers 2xx.
 Any other answer, a timeout or a refused connection is tried again later, with a delay that
 doubles from :data:`RETRY_FIRST_S` up to :data:`RETRY_MOST_S` (the project's one
 :class:`~anex_pipeline.net.retry.RetryPolicy`), for up to :data:`GIVE_UP_S`; the events still
@@ -46,6 +47,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from anex_pipeline import metrics
+from anex_pipeline.batches.objects import holder_name
 from anex_pipeline.media.guard import guarded_client, refusal, request_deadline
 from anex_pipeline.net.retry import RetryPolicy
 
@@ -61,6 +63,7 @@ GIVE_UP_S = 3 * 24 * 3600  # an event not delivered this long after it was made 
 TIMEOUT_S = 10.0  # one try's deadline, from connecting to the last byte read, by default
 ANSWER_BYTES = 4096  # the most of an answer's body a try reads: only its status counts
 TRIES_AT_ONCE = 8  # tries under way at the same time, each on a thread of its own
+CLAIM_MARGIN_S = 30.0  # a sender's claim on an event holds for a try's deadline and this long
 ALLOWED_BY = "serve --webhook-allowed-host"
 
 
@@ -120,6 +123,7 @@ class WebhookSender:
         self.backoff = RetryPolicy(backoff_s=settings.retry_first_s, max_wait_s=RETRY_MOST_S)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batch-webhooks", daemon=True)
+        self.holder = holder_name("webhooks")  # the name its claims on events go by
         self._trying: dict[str, threading.Thread] = {}  # event id -> its try; only the sender's thread edits it
         self._found: queue.SimpleQueue[tuple[dict[str, Any], str | None]] = queue.SimpleQueue()  # tries' outcomes
 
@@ -137,6 +141,7 @@ class WebhookSender:
             thread.join(max(0.0, until - time.monotonic()))
         try:
             self._record_outcomes()
+            self.store.release_claims(self.holder)  # tries still under way: sent again after the next start
         except Exception:  # the store failed: those events are sent again after the next start
             log.exception("webhook deliveries could not be recorded")
         self.client.close()
@@ -166,6 +171,9 @@ class WebhookSender:
             if pending["next_at"] > time.time():
                 wake_at = pending["next_at"] if wake_at is None else min(wake_at, pending["next_at"])
             elif len(self._trying) < TRIES_AT_ONCE:  # else the end of a try wakes this thread
+                if not self.store.claim_event(event_id, self.holder, self.settings.timeout_s + CLAIM_MARGIN_S):
+                    wake_at = time.time()  # another sender took it first: look again at what it left
+                    continue
                 thread = threading.Thread(target=self._try, args=(pending,), name="batch-webhook-try", daemon=True)
                 self._trying[event_id] = thread
                 thread.start()

@@ -7,7 +7,9 @@ is shown, and joined in by :meth:`BatchRecord.public`.
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 import time
 from typing import Any, Literal
 
@@ -31,6 +33,12 @@ EVENT_TYPES = {
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
+
+
+def holder_name(role: str) -> str:
+    """A name for one holder of leases or claims that no other process takes: the role, the host,
+    the process id and a random part (a process id is reused)."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def now() -> int:
