@@ -1,6 +1,6 @@
 """The Batch API's store on SQLite: every record operation, its listings page exactly as the
-key-value store's did, threads racing on one record leave it whole, event claims have one sender,
-and records written before the tables move in once.
+key-value store's did, threads racing on one record leave it whole, leases and event claims have
+one holder, and records written before the tables move in once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
+from anex_pipeline.batches.leases import LeaseLost
 from anex_pipeline.batches.objects import ApiError, BatchError, BatchRecord, FileRecord, now
 from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.errors import RejectedError
@@ -271,6 +272,37 @@ def test_each_event_is_claimed_by_one_sender(store: Store) -> None:
     later = events[1]["id"]
     store.retry_event(later, 1, time.time() + 3600)
     assert not store.claim_event(later, "sender-x", 300)  # not due yet
+
+
+def test_a_lease_has_one_holder_and_is_taken_over_once_it_runs_out(store: Store) -> None:
+    file = upload(store)
+    batch = store.add_batch(batch_of(file), None)
+    other = store.add_batch(batch_of(file), None)
+    assert ids(store.unclaimed_batches()) == [batch.id, other.id]
+    won = race(6, lambda n: store.take_up(batch.id, f"replica-{n}", 60))
+    assert won.count(True) == 1
+    holder = f"replica-{won.index(True)}"
+    assert store.lease(batch.id) is not None and store.lease(batch.id)[0] == holder  # type: ignore[index]
+    assert ids(store.unclaimed_batches()) == [other.id] and ids(store.unclaimed_batches(limit=1)) == [other.id]
+    assert store.take_up(batch.id, holder, 60) and not store.take_up(batch.id, "replica-x", 60)
+    assert store.renew(batch.id, holder, 60) and not store.renew(batch.id, "replica-x", 60)
+    store.update_batch(batch.id, held_by=holder, model="m")
+    with pytest.raises(LeaseLost):
+        store.update_batch(batch.id, held_by="replica-x", model="n")
+    store.release(batch.id, "replica-x")  # not its lease: nothing changes
+    assert store.lease(batch.id)[0] == holder  # type: ignore[index]
+    store.release(batch.id, holder)
+    assert store.lease(batch.id) is None and store.take_up(batch.id, "replica-x", 0.2)
+
+    until = store.lease(batch.id)[1]  # type: ignore[index]
+    deadline = time.monotonic() + 10
+    while not store.take_up(batch.id, "replica-y", 60):  # replica-x stopped renewing
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.01)
+    assert time.time() >= until and not store.renew(batch.id, "replica-x", 60)
+    store.update_batch(batch.id, completed_at=now())
+    assert not store.take_up(batch.id, "replica-z", 60) and ids(store.unclaimed_batches()) == [other.id]
+    assert not store.take_up("batch_none", "replica-z", 60)
 
 
 # -- records written before the tables ------------------------------------------------------------

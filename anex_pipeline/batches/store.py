@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from anex_pipeline import metrics
 from anex_pipeline.batches.database import instance_database
 from anex_pipeline.batches.events import WebhookEvents
+from anex_pipeline.batches.leases import BatchLeases, LeaseLost
 from anex_pipeline.batches.migration import prepare
 from anex_pipeline.batches.objects import ApiError, BatchRecord, FileRecord, batch_event, new_id, not_found, now
 from anex_pipeline.batches.tables import api_keys, as_batch, as_file, batch_row, batches, file_row, files
@@ -50,7 +51,7 @@ def configured_hash(entry: str) -> str:
     return key_hash(entry)
 
 
-class Store(WebhookEvents):
+class Store(WebhookEvents, BatchLeases):
     def __init__(self, instance: dg.DagsterInstance, work_root: Path | str):
         self.db = instance_database(instance)
         prepare(self.db)
@@ -294,15 +295,20 @@ class Store(WebhookEvents):
                 400, f"File {record.input_file_id} is a {found.purpose} file, not a batch input.", param="input_file_id"
             )
 
-    def update_batch(self, batch_id: str, **changes: Any) -> BatchRecord:
+    def update_batch(self, batch_id: str, *, held_by: str | None = None, **changes: Any) -> BatchRecord:
         """Re-reads the record under a lock and applies changes, so that no two processes or threads
         undo each other's. A finished batch stays as it ended: its record is returned unchanged. A
         batch that ends here gets its webhook event in the same transaction (so it has exactly
-        one), and counts in the metrics."""
+        one), and counts in the metrics. With ``held_by``, raises LeaseLost unless that holder
+        holds the batch's lease."""
         with self.db.writing() as conn:
-            found = conn.execute(sa.select(batches.c.record).where(batches.c.id == batch_id).with_for_update()).first()
+            found = conn.execute(
+                sa.select(batches.c.record, batches.c.lease_holder).where(batches.c.id == batch_id).with_for_update()
+            ).first()
             if found is None:
                 raise LookupError(f"no batch {batch_id}")
+            if held_by is not None and found.lease_holder != held_by:
+                raise LeaseLost(f"batch {batch_id} is no longer held by {held_by}")
             before = as_batch(found.record)
             if before.finished:
                 return before
