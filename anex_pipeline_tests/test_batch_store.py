@@ -1,6 +1,8 @@
 """The Batch API's store on SQLite: every record operation, its listings page exactly as the
 key-value store's did, threads racing on one record leave it whole, leases and event claims have
 one holder, and records written before the tables move in once.
+
+The same races between processes, on SQLite and PostgreSQL, are in test_batch_store_processes.py.
 """
 
 from __future__ import annotations
