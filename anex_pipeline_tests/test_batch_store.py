@@ -246,6 +246,17 @@ def test_a_cancel_and_a_finalize_racing_lose_neither_change(store: Store) -> Non
     assert sorted(e["data"]["id"] for e in events) == sorted(ids(made))  # one event each
 
 
+def test_cancels_racing_keep_the_first_ones_time(store: Store) -> None:
+    file = upload(store)
+    for _ in range(10):
+        batch = store.add_batch(batch_of(file, in_progress_at=1), None)
+        got = race(4, lambda n, batch=batch: store.update_batch(batch.id, cancelling_at=100 + n, once=True))
+        kept = store.batch(batch.id)
+        assert kept is not None and all(g.cancelling_at == kept.cancelling_at for g in got), got
+    ended = store.update_batch(batch.id, cancelled_at=200)
+    assert store.update_batch(batch.id, cancelling_at=300, once=True) == ended
+
+
 def test_each_event_is_claimed_by_one_sender(store: Store) -> None:
     store.keep_events = True
     file = upload(store)

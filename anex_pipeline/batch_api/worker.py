@@ -159,7 +159,9 @@ class BatchWorker:
         (if it is being checked) to end."""
         if record.finished or record.cancelling_at is not None:
             return record
-        record = self.store.update_batch(record.id, cancelling_at=now())
+        record = self.store.update_batch(record.id, cancelling_at=now(), once=True)  # another's cancel stays
+        if record.finished:
+            return record
         if record.job_id is not None:
             request_stop(self.runner.storage.job(record.job_id), CANCELLED)
         with self._turn:

@@ -295,12 +295,15 @@ class Store(WebhookEvents, BatchLeases):
                 400, f"File {record.input_file_id} is a {found.purpose} file, not a batch input.", param="input_file_id"
             )
 
-    def update_batch(self, batch_id: str, *, held_by: str | None = None, **changes: Any) -> BatchRecord:
+    def update_batch(
+        self, batch_id: str, *, held_by: str | None = None, once: bool = False, **changes: Any
+    ) -> BatchRecord:
         """Re-reads the record under a lock and applies changes, so that no two processes or threads
         undo each other's. A finished batch stays as it ended: its record is returned unchanged. A
         batch that ends here gets its webhook event in the same transaction (so it has exactly
         one), and counts in the metrics. With ``held_by``, raises LeaseLost unless that holder
-        holds the batch's lease."""
+        holds the batch's lease. With ``once``, a field the record has set already keeps its value
+        (two cancels at once: the first one's time stays)."""
         with self.db.writing() as conn:
             found = conn.execute(
                 sa.select(batches.c.record, batches.c.lease_holder).where(batches.c.id == batch_id).with_for_update()
@@ -312,6 +315,10 @@ class Store(WebhookEvents, BatchLeases):
             before = as_batch(found.record)
             if before.finished:
                 return before
+            if once:
+                changes = {name: value for name, value in changes.items() if getattr(before, name) is None}
+                if not changes:
+                    return before
             record = before.model_copy(update=changes)
             if record.finished and self.keep_events:
                 self._add_event(conn, batch_event(record.id, record.status))
