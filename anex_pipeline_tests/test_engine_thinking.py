@@ -164,6 +164,75 @@ def test_an_unset_budget_is_estimated_from_the_sample(
     assert report.request_counts.completed == 6 and report.usage.reasoning_tokens > 0
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def forced_rows() -> list[dict[str, Any]]:
+    """Forced calls at temperature 1 with thinking on and off: the seeds where the random trace
+    writes ``<tool_call>`` itself (seed 1, seven tokens in) included."""
+    ask = {"tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0}
+    rows = [chat_row(f"req-on-{s}", QUESTION, seed=s, tool_choice="required", **ask) for s in range(8)]
+    off = {"enable_thinking": False}
+    rows += [
+        chat_row(f"req-off-{s}", QUESTION, seed=s, tool_choice="required", chat_template_kwargs=off, **ask)
+        for s in range(3)
+    ]
+    rows += [chat_row(f"named-on-{s}", QUESTION, seed=s, tool_choice=NAMED, **ask) for s in range(2)]
+    rows.append(chat_row("single", QUESTION, seed=3, tool_choice="required", parallel_tool_calls=False, **ask))
+    rows.append(chat_row("greedy", QUESTION, tool_choice="required", **{**ask, "temperature": 0}))
+    return rows
+
+
+def calls_of(line: dict[str, Any]) -> list[tuple[str, str]]:
+    """A row's tool calls without their random ids."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message(line).get("tool_calls") or []]
+
+
+def test_a_forced_call_after_thinking_holds_in_the_models_own_format(
+    tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner
+) -> None:
+    """A trace that writes ``<tool_call>`` ends thinking there, and that token is the grammar's
+    first: held in hermes' own format (as vLLM's server holds it) it opens the call instead of
+    failing the row. Then with a budget of 8 that closes the traces."""
+    src = write_jsonl(tmp_path / "in.jsonl", forced_rows())
+    out = tmp_path / "free.jsonl"
+    report = run_job(runner, src, out, {"model": str(tiny), "reasoning_budget": 0})
+    assert report.request_counts.failed == 0, report.error_counts
+    lines = answers(out)
+    for key, line in lines.items():
+        msg = message(line)
+        assert all(name == "get_weather" for name, _ in calls_of(line)), key
+        # after the trace only the call: whole (read as a call) or cut at the cap (its raw text)
+        assert msg["content"] is None or msg["content"].startswith("<tool_call>"), (key, msg["content"])
+    # the trace that opened the call itself: thinking ended there and the call followed
+    assert message(lines["req-on-1"])["reasoning_content"]
+    assert message(lines["req-on-1"])["content"].startswith('<tool_call>{"name": "get_weather"')
+    assert message(lines["named-on-1"]) == message(lines["req-on-1"])  # same trace, same one tool
+    for key in ("req-off-0", "req-off-1", "req-off-2"):  # no trace: the call comes first
+        assert message(lines[key]).get("reasoning_content") is None, key
+    assert calls_of(lines["req-off-1"]) == [("get_weather", '"lou{"')]  # as vLLM's own run_batch gives it
+    assert len(calls_of(lines["single"])) <= 1
+
+    report = run_job(runner, src, tmp_path / "budget.jsonl", {"model": str(tiny), "reasoning_budget": 8})
+    closed = answers(tmp_path / "budget.jsonl")
+    for key in ("req-on-0", "req-on-2", "req-on-3", "named-on-0", "single", "greedy"):
+        msg = message(closed[key])  # each trace closed with the notice, the call after it
+        assert msg["reasoning_content"].endswith(f"\n{BUDGET_NOTICE}\n"), key
+        assert msg["content"].startswith("<tool_call>"), key
+    # The trace that opened the call at its 7th token, which the budget then closed over the call:
+    # it goes on from the trace and </think>, and the call is made again after them.
+    msg = message(closed["named-on-1"])
+    assert BUDGET_NOTICE not in msg["reasoning_content"] and msg["content"].startswith("<tool_call>")
+
+
 @pytest.mark.vllm_serve
 def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
     tmp_path: Path, tiny: Path, tokenizer: Any, runner: JobRunner, monkeypatch: pytest.MonkeyPatch

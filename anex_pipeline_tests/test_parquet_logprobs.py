@@ -21,6 +21,7 @@ from anex_pipeline.engine.base import resolve_request
 from anex_pipeline.engine.config import HttpSettings
 from anex_pipeline.engine.http.engine import OpenAIHttpEngine, request_body
 from anex_pipeline.engine.models import DEFAULT_CHAT_MODEL
+from anex_pipeline.engine.parsing import OutputParser, ParserNames
 from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.formats import arrow_checkpoint, token_logprobs_of
 from anex_pipeline.formats.parquet import ParquetFormat
@@ -186,7 +187,13 @@ def test_the_options_reach_both_engines_as_a_jsonl_rows_fields(
     assert row.body == {**row.body, **sent} and set(row.body) == {PROMPT_FIELDS[kind], *sent}
     req = resolve_request(row, "job", kind, job_options(options), 8, None)
     # the in-process engine: vLLM's sampling parameters
-    sampler = Sampler(max_model_len=2048, defaults={}, keep_special_tokens=False, thinking=None)
+    sampler = Sampler(
+        max_model_len=2048,
+        defaults={},
+        keep_special_tokens=False,
+        thinking=None,
+        parser=OutputParser(None, ParserNames()),
+    )
     assert sampler.params(req, prompt_len=5).logprobs == 2
     # the HTTP engine: what a model server on loopback was sent
     server = FakeServer()

@@ -25,8 +25,10 @@ from anex_pipeline.engine.parsing import (
     check_parser_names,
     choose_parsers,
     count_thinking_tokens,
+    implicit_end,
     thinking_tags,
 )
+from anex_pipeline.engine.thinking import ThinkingIds
 from anex_pipeline.spec import JobOptions, RowOutcome
 from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline.stages.estimate_length_bound import upper_bound
@@ -262,6 +264,36 @@ def test_qwen3(tokenizer: Any) -> None:
     assert_weather_call(parsed, city="London")
 
 
+def test_a_forced_call_is_held_and_read_in_the_models_own_format(tokenizer: Any) -> None:
+    """As vLLM's server: hermes holds a forced call to its ``<tool_call>`` tags (which a thinking
+    trace may open) and reads it back with its parser; a model without a tool parser gets the JSON."""
+    named = {**BODY, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    required = {**BODY, "tool_choice": "required"}
+    hermes = OutputParser(tokenizer, ParserNames("qwen3", "hermes"))
+    for body in (named, required):
+        held = hermes.forced_constraint(body, {})
+        assert held.json is None and "<tool_call>" in held.structural_tag
+        assert "get_weather" in held.structural_tag
+    assert hermes.forced_constraint(BODY, {}) is None  # nothing forced
+    plain = OutputParser(tokenizer, ParserNames()).forced_constraint(required, {})
+    assert plain.structural_tag is None and plain.json["type"] == "array"
+
+    answer = (
+        '<think>\nHmm.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    for body in (named, required):
+        parsed = parse(tokenizer, ("qwen3", "hermes"), answer, body=body)
+        assert parsed.reasoning is not None and parsed.reasoning.strip() == "Hmm."
+        assert_weather_call(parsed, city="Oslo")
+        # read even where the job turned tool-call parsing off: the call was forced in that format
+        assert_weather_call(parse(tokenizer, ("qwen3", "hermes"), answer, body=body, tools=False), city="Oslo")
+    # the thinking trace's opening of the call ends it (qwen3's implicit end): the call is still read
+    implicit = '<think>\nHmm.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert_weather_call(parse(tokenizer, ("qwen3", "hermes"), implicit, body=required), city="Oslo")
+    json_answer = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert_weather_call(parse(tokenizer, (None, None), json_answer, body=required), city="Oslo")
+
+
 def test_each_half_can_be_switched_off(tokenizer: Any) -> None:
     names = ("qwen3", "hermes")
     text = (
@@ -286,7 +318,8 @@ def test_a_tool_call_message_is_a_valid_openai_completion() -> None:
     choice = body.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls is not None and choice.message.tool_calls[0].function.name == "get_weather"
-    assert body.model_dump()["choices"][0]["message"]["reasoning_content"] == "Hmm."
+    message = body.model_dump()["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == "Hmm."  # vLLM 0.32 names it reasoning
 
 
 # -- thinking tags and counts --------------------------------------------------------------------
@@ -313,6 +346,19 @@ def test_where_the_budget_cut_a_trace() -> None:
     assert budget_cut([7, 1, 2], [5, 5, 2, 9], start, end, 1) is None  # the prompt switched thinking off
     assert budget_cut([7], [5, 5, 5], start, end, 1) is None  # never thought
     assert budget_cut([1], [5, 5, 5], start, end, 2) is None  # cut by max_tokens, not by the budget
+
+
+def test_a_trace_the_model_ended_by_opening_its_answer_goes_on_without_the_notice(tokenizer: Any) -> None:
+    """qwen3's reasoner ends a trace at a <tool_call>; vLLM's budget knows only </think> and forces
+    it over the call: the answer goes on from the trace and the closing tag, no notice."""
+    tags = thinking_tags("qwen3", tokenizer)
+    assert tags is not None and tags.implicit_ends == ("<tool_call>",)
+    t = ThinkingIds([1], [2], [2], [8, 8], implicit_ends=frozenset({6}))
+    assert t.continuation([7], [1, 5, 6, 5, 2, 9], 3, None) == (2, [1, 5, 2])
+    assert t.continuation([7, 1], [5, 6, 2], 2, 2) == (1, [5, 2])  # opened by the prompt
+    assert t.continuation([7], [1, 5, 5, 5, 2, 6], 3, None) == (4, [1, 5, 5, 5, 8, 8, 2])  # after the trace
+    assert t.continuation([7], [1, 6, 5, 2], 5, None) is None  # the budget closed nothing
+    assert implicit_end([7], [6, 1, 5, 2], [1], [2], {6}) is None  # before the trace opened
 
 
 def test_counting_thinking_tokens() -> None:

@@ -16,6 +16,7 @@ from anex_pipeline.engine.base import EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
 from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.loader import schedules_by_priority
+from anex_pipeline.engine.parsing import OutputParser, ParserNames
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler
@@ -93,7 +94,13 @@ APPLIED_ELSEWHERE = {
 
 def local_sampler() -> Sampler:
     """The in-process engine's sampling parameters, without a loaded model."""
-    return Sampler(max_model_len=2048, defaults={}, keep_special_tokens=False, thinking=None)
+    return Sampler(
+        max_model_len=2048,
+        defaults={},
+        keep_special_tokens=False,
+        thinking=None,
+        parser=OutputParser(None, ParserNames()),
+    )
 
 
 def resolved(endpoint: str, **fields: Any) -> EngineRequest:

@@ -47,8 +47,8 @@ def usage(*choices: Generated) -> dict[str, Any]:
 
 def _chat_choice(index: int, g: Generated) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": g.text}
-    if g.reasoning is not None:
-        message["reasoning_content"] = g.reasoning
+    if g.reasoning is not None:  # under both names: OpenAI-compatible servers' and vLLM 0.32's own
+        message["reasoning_content"] = message["reasoning"] = g.reasoning
     finish = g.finish_reason
     if g.tool_calls:
         message["tool_calls"] = g.tool_calls

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,6 +181,9 @@ class ThinkingTags:
     start: str
     end: str
     resume: str = ""  # what follows the end tag before the answer (harmony opens its final channel)
+    # Tokens that end a trace without its end tag because they open the answer (qwen3's reasoner
+    # takes a <tool_call> in a trace as its end); vLLM's thinking budget knows only the end tag.
+    implicit_ends: tuple[str, ...] = ()
 
     @property
     def closing(self) -> str:
@@ -204,7 +207,11 @@ def thinking_tags(reasoning_parser: str, tokenizer: Any) -> ThinkingTags | None:
 
     parser = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
     start, end = parser.reasoning_start_str, parser.reasoning_end_str
-    return ThinkingTags(start, end) if start and end else None
+    if not (start and end):
+        return None
+    ends = getattr(parser, "reasoning_end_token_ids", None) or ()  # the engine-based parsers' ends
+    implicit = tuple(sorted(t for t in tokenizer.convert_ids_to_tokens(sorted(ends)) if t != end))
+    return ThinkingTags(start, end, implicit_ends=implicit)
 
 
 def _last_index(ids: Sequence[int], pattern: Sequence[int]) -> int:
@@ -250,6 +257,31 @@ def budget_cut(
         thought, begin = 0, opened + len(start_ids)
     end = _first_index(output_ids, end_ids, begin)
     return end if end >= 0 and thought + end - begin >= budget else None
+
+
+def implicit_end(
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    start_ids: Sequence[int],
+    end_ids: Sequence[int],
+    implicit_ids: Collection[int],
+) -> int | None:
+    """Where the first trace of an answer ended on a token that opens the answer (one of
+    ``implicit_ids``) before its end tag: that token's index in ``output_ids``, or None."""
+    if not implicit_ids:
+        return None
+    if _opened_by_prompt(prompt_ids, start_ids, end_ids):
+        begin = 0
+    else:
+        opened = _first_index(output_ids, start_ids)
+        if opened < 0:
+            return None
+        begin = opened + len(start_ids)
+    end = _first_index(output_ids, end_ids, begin)
+    for i in range(begin, len(output_ids) if end < 0 else end):
+        if output_ids[i] in implicit_ids:
+            return i
+    return None
 
 
 def count_thinking_tokens(
@@ -352,11 +384,13 @@ class OutputParser:
         """
         forced = forced_tool_schema(body) is not None
         reasoning = self.names.reasoning if thinking else None
-        tool = self.names.tool if tools and body.get("tools") and not forced else None
+        # A forced call is read by the tool parser whatever parse_tool_calls says, as it was made by it.
+        by_parser = forced and self.names.tool is not None
+        tool = self.names.tool if by_parser or (tools and body.get("tools") and not forced) else None
         if reasoning is None and tool is None:
             parsed = Parsed(content=text)
         else:
-            request = _chat_request(body, chat_template_kwargs, tool is not None)
+            request = _chat_request(body, chat_template_kwargs, tool is not None, forced=by_parser)
             parser = self._composed(reasoning, tool)(
                 self.tokenizer, request.tools, chat_template_kwargs=dict(chat_template_kwargs)
             )
@@ -366,11 +400,35 @@ class OutputParser:
                 text, request, enable_auto_tools=tool is not None, model_output_token_ids=list(output_ids)
             )
             parsed = Parsed(content, found_reasoning, [_openai_call(c) for c in calls or []])
-        if forced:  # the answer is the forced call's JSON, whatever the model's own tool format
+        if forced and not by_parser:  # no tool parser: the answer is the forced call's JSON
             parsed.tool_calls, parsed.content = forced_calls(parsed.content, body), None
         if body.get("parallel_tool_calls") is False:  # as vLLM's server: the first call only
             parsed.tool_calls = parsed.tool_calls[:1]
         return parsed
+
+    def forced_constraint(self, body: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any]) -> Any:
+        """The ``StructuredOutputsParams`` that hold a row's forced tool call (None when the row
+        forces none), as vLLM's server builds them: the model's own call format as an xgrammar
+        structural tag where its tool parser has one (hermes' ``<tool_call>{...}</tool_call>``),
+        else the JSON of :func:`forced_tool_schema`.
+
+        The tag matters on a thinking model: a trace that writes the call's opening tag (an
+        implicit end of thinking for qwen3's reasoner) hands that very token to the grammar,
+        which the model's format accepts and a JSON grammar refuses, failing the row.
+        """
+        schema = forced_tool_schema(body)
+        if schema is None:
+            return None
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if self.names.tool is None:
+            return StructuredOutputsParams(json=schema)
+        request = _chat_request(body, chat_template_kwargs, with_tools=True, forced=True)
+        parser = self._composed(self.names.reasoning, self.names.tool)(
+            self.tokenizer, request.tools, chat_template_kwargs=dict(chat_template_kwargs)
+        )
+        constraint = parser.adjust_request(request).structured_outputs
+        return constraint if constraint is not None else StructuredOutputsParams(json=schema)
 
 
 def forced_tool_schema(body: Mapping[str, Any]) -> dict[str, Any] | None:

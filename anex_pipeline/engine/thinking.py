@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anex_pipeline.engine.config import EngineSettings
-from anex_pipeline.engine.parsing import NOTICE_TEXT, ThinkingTags, thinking_tags
+from anex_pipeline.engine.parsing import NOTICE_TEXT, ThinkingTags, budget_cut, implicit_end, thinking_tags
 
 
 @dataclass(frozen=True)
@@ -20,17 +20,45 @@ class ThinkingIds:
     end: list[int]
     closing: list[int]  # the end tag and what leads into the answer
     notice: list[int]
+    implicit_ends: frozenset[int] = frozenset()  # tokens that end a trace by opening the answer
 
     @classmethod
     def of(cls, tags: ThinkingTags, tokenizer: Any) -> ThinkingIds:
         """The tags and the notice as the model's tokenizer encodes them."""
         ids = [tokenizer.encode(t, add_special_tokens=False) for t in (tags.start, tags.end, tags.closing)]
-        return cls(*ids, notice=tokenizer.encode(NOTICE_TEXT, add_special_tokens=False))
+        implicit = frozenset(tokenizer.convert_tokens_to_ids(list(tags.implicit_ends)))
+        return cls(*ids, notice=tokenizer.encode(NOTICE_TEXT, add_special_tokens=False), implicit_ends=implicit)
 
     def head(self, output_ids: Sequence[int], cut: int, cap: int | None) -> list[int]:
         """What the answer of a trace cut at ``cut`` goes on from: the trace up to the cut, the
         notice and the closing tags, within ``cap`` output tokens (None: no cap)."""
         return (list(output_ids[:cut]) + self.notice + self.closing)[:cap]
+
+    def continuation(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        budget: int,
+        cap: int | None,
+        *,
+        failed: bool = False,
+    ) -> tuple[int, list[int]] | None:
+        """Where an answer whose trace the budget closed goes on from: how many of its tokens the
+        model sampled and the head (within ``cap`` output tokens); None when the budget closed no trace.
+
+        A trace the model ended itself by opening its answer (a ``<tool_call>``) goes on from the
+        trace and the closing tags, without the notice, when the budget then forced the end tag
+        over that answer, or when generation ``failed`` after it (the forced end tag broke the
+        answer's grammar, a forced call's, and vLLM ended the row): the answer is generated again
+        after the closing tags, in one piece.
+        """
+        at = budget_cut(prompt_ids, output_ids, self.start, self.end, budget)
+        early = implicit_end(prompt_ids, output_ids, self.start, self.end, self.implicit_ends)
+        if early is not None and (at is not None or failed):
+            return early, (list(output_ids[:early]) + self.closing)[:cap]
+        if at is None:
+            return None
+        return at, self.head(output_ids, at, cap)
 
 
 def model_thinking(settings: EngineSettings, kwargs: dict[str, Any]) -> tuple[Any, ThinkingTags | None]:

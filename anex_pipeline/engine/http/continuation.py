@@ -7,10 +7,10 @@ do not depend on where its model runs, the HTTP engine does the same on the mach
 server, whose model and tokenizer are on this machine:
 
 * a row with a budget and one choice asks for its token ids (``return_token_ids``);
-* when :func:`~anex_pipeline.engine.parsing.budget_cut` finds its trace cut, the trace up to the
-  cut, the notice and the closing tags are sent back as the prompt's continuation (token ids, to
-  ``/v1/completions``), for what is left of the row's ``max_tokens``, with the row's own sampling
-  and constraint;
+* when :meth:`~anex_pipeline.engine.thinking.ThinkingIds.continuation` finds its trace cut, the
+  trace up to the cut, the notice and the closing tags are sent back as the prompt's continuation
+  (token ids, to ``/v1/completions``), for what is left of the row's ``max_tokens``, with the
+  row's own sampling and constraint (a forced tool call's too, in the model's call format);
 * the row's answer is made from both: split by the model's parsers here, as the in-process engine
   splits it, with the usage and the logprobs of both (the forced tokens have none).
 
@@ -31,7 +31,6 @@ from anex_pipeline.engine.parsing import (
     HARMONY_REASONING_PARSER,
     OutputParser,
     ParserNames,
-    budget_cut,
     count_thinking_tokens,
 )
 
@@ -97,10 +96,11 @@ class TraceContinuation:
         if not prompt_ids or output_ids is None or req.reasoning_budget is None:
             return None
         t = self.model().thinking
-        at = budget_cut(prompt_ids, output_ids, t.start, t.end, req.reasoning_budget)
-        if at is None:
+        failed = choice.get("finish_reason") == "error"
+        found = t.continuation(prompt_ids, output_ids, req.reasoning_budget, req.max_tokens, failed=failed)
+        if found is None:
             return None
-        head = t.head(output_ids, at, req.max_tokens)
+        at, head = found
         left = None if req.max_tokens is None else req.max_tokens - len(head)
         return Cut(list(prompt_ids), head, min(at, len(head)), left)
 
@@ -119,6 +119,15 @@ class TraceContinuation:
         for name in ("response_format", "structured_outputs"):
             if name in body:
                 follow[name] = body[name]
+        forced = (
+            self.model().parser.forced_constraint(req.body, req.chat_template_kwargs)
+            if req.endpoint == "chat"
+            else None
+        )
+        if forced is not None:  # the call the server would have held the chat row to, as completions hold it
+            follow.pop("response_format", None)
+            kind = "structural_tag" if forced.structural_tag is not None else "json"
+            follow["structured_outputs"] = {kind: getattr(forced, kind)}
         if req.logprobs is not None:
             follow["logprobs"] = req.logprobs
         return follow

@@ -519,9 +519,9 @@ def named_context_error(error: RowError, endpoint: str) -> RowError:
 
 
 def _name_reasoning_as_specified(payload: dict[str, Any]) -> None:
-    """vLLM's server calls the thinking trace ``message.reasoning``; results carry it as
-    ``reasoning_content``, as the in-process engine writes it."""
+    """vLLM's server calls the thinking trace ``message.reasoning``; results carry it under that
+    name and as ``reasoning_content`` too, as the in-process engine writes it."""
     for choice in payload.get("choices") or []:
         message = choice.get("message") or {}
         if "reasoning" in message and "reasoning_content" not in message:
-            message["reasoning_content"] = message.pop("reasoning")
+            message["reasoning_content"] = message["reasoning"]

@@ -81,13 +81,14 @@ class VllmLocalEngine(Engine):
         thinking: ThinkingIds | None = None
         if tags is not None:
             thinking = ThinkingIds.of(tags, self.tokenizer)
+        parser = OutputParser(self.tokenizer, names, harmony=harmony)
         self.sampler = Sampler(
             max_model_len=self.max_model_len,
             defaults=dict(config.get_diff_sampling_param()),
             keep_special_tokens=names != ParserNames(),
             thinking=thinking,
+            parser=parser,
         )
-        parser = OutputParser(self.tokenizer, names, harmony=harmony)
         self.outputs = OutputShaper(self.tokenizer, self.model_name, parser, thinking)
         self.adapters = AdapterRequests(json.loads(settings.lora_modules))
         self.stepper = Stepper(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.parsing import ThinkingTags, forced_tool_schema
+from anex_pipeline.engine.parsing import OutputParser, ThinkingTags
 from anex_pipeline.engine.thinking import ThinkingIds, model_thinking
 from anex_pipeline.engine.vllm.prompts import RequestProblem
 from anex_pipeline.request_fields import NON_SAMPLING_FIELDS, PROMPT_FIELDS, SAMPLING_FIELDS
@@ -38,6 +38,7 @@ class Sampler:
     defaults: dict[str, Any]  # the model's generation config, under each row's own values
     keep_special_tokens: bool  # the parsers (and raw output) need the model's tags
     thinking: ThinkingIds | None  # the thinking tags, when the engine has a thinking budget
+    parser: OutputParser  # what holds a forced tool call: the model's call format, as its parser has it
 
     def params(self, req: EngineRequest, prompt_len: int) -> Any:
         """The row's ``SamplingParams`` for a prompt of ``prompt_len`` tokens; raises
@@ -89,10 +90,12 @@ class Sampler:
         if req.choices > 1:
             kwargs["n"] = req.choices
         rf = req.response_format
-        forced = forced_tool_schema(req.body) if req.endpoint == "chat" else None
         try:
+            forced = (
+                self.parser.forced_constraint(req.body, req.chat_template_kwargs) if req.endpoint == "chat" else None
+            )
             if forced is not None:  # a forced call wins over response_format, as in vLLM's server
-                kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
+                kwargs["structured_outputs"] = forced
             elif isinstance(req.body.get("structured_outputs"), dict):  # vLLM's own: checked at submit
                 kwargs["structured_outputs"] = StructuredOutputsParams(**req.body["structured_outputs"])
             elif rf is not None and rf["type"] == "json_object":

@@ -14,7 +14,6 @@ from typing import Any
 
 from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import EngineRequest, StopCheck, rejected
-from anex_pipeline.engine.parsing import budget_cut
 from anex_pipeline.engine.sharing import Lane, Lanes
 from anex_pipeline.engine.thinking import ThinkingIds
 from anex_pipeline.engine.vllm.outputs import Answer, Flight, OutputShaper
@@ -198,14 +197,17 @@ class Stepper:
         the row is still in flight."""
         t, params = self.thinking, flight.params
         budget = params.thinking_token_budget if t is not None else None
-        cut = budget_cut(flight.prompt_ids, answer.token_ids, t.start, t.end, budget) if t and budget else None
-        if cut is None:
+        found = None
+        if t is not None and budget:
+            failed = answer.finish_reason == "error"
+            found = t.continuation(flight.prompt_ids, answer.token_ids, budget, params.max_tokens, failed=failed)
+        if found is None:
             return False
-        head = t.head(answer.token_ids, cut, params.max_tokens)
+        cut, head = found
         flight.head = head
         flight.head_text = self.tokenizer.decode(head, skip_special_tokens=params.skip_special_tokens)
         if answer.logprobs is not None:  # the forced notice and end tag were never sampled
-            flight.head_logprobs = (answer.logprobs[:cut] + [None] * len(t.notice + t.closing))[: len(head)]
+            flight.head_logprobs = (answer.logprobs[:cut] + [None] * len(head))[: len(head)]
         left = params.max_tokens - len(head)
         if left < 1:
             flight.head = None
