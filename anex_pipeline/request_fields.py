@@ -113,8 +113,12 @@ BODY_FIELDS: dict[str, BodyField] = {
     # scoring: pairs of texts (score) or a query against documents (rerank)
     "text_1": BodyField(OWN_CHECK, frozenset({SCORE})),
     "text_2": BodyField(OWN_CHECK, frozenset({SCORE})),
+    "queries": BodyField(OWN_CHECK, frozenset({SCORE})),  # vLLM's other spellings of the two sides
+    "items": BodyField(OWN_CHECK, frozenset({SCORE})),
+    "data_1": BodyField(OWN_CHECK, frozenset({SCORE})),
+    "data_2": BodyField(OWN_CHECK, frozenset({SCORE})),
     "query": BodyField(OWN_CHECK, frozenset({RERANK})),
-    "documents": BodyField(OWN_CHECK, frozenset({RERANK})),
+    "documents": BodyField(OWN_CHECK, frozenset({SCORE, RERANK})),
     "top_n": BodyField((int,), frozenset({RERANK})),
 }
 
@@ -135,6 +139,22 @@ RESPONSES_NAMES = {
     "response_format": "text.format",
     "reasoning_effort": "reasoning.effort",
 }
+# A score row's two sides, as vLLM 0.32's score requests spell them (one pair per row).
+SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+def score_sides(body: dict[str, object]) -> tuple[str, str]:
+    """The names of a score row's two sides: the first of vLLM's spellings the row uses, else
+    ``text_1``/``text_2`` (the names a row without either side is told of)."""
+    for first, second in SCORE_SIDES:
+        if first in body and second in body:
+            return first, second
+    for first, second in SCORE_SIDES:
+        if first in body or second in body:
+            return first, second
+    return SCORE_SIDES[0]
+
+
 # The most texts a score row's text_2 (or text_1) or a rerank row's documents may hold: each is
 # one pair the cross-encoder reads, and a row's pairs go to the engine together.
 MAX_SCORE_TEXTS = 1024

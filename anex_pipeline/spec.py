@@ -23,8 +23,15 @@ ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/responses": "responses",
     "/v1/score": "score",
     "/v1/rerank": "rerank",
+    # vLLM's own paths of the same endpoints, as its server and run_batch take them
+    "/score": "score",
+    "/rerank": "rerank",
+    "/v2/rerank": "rerank",
 }
-URL_BY_ENDPOINT: dict[Endpoint, str] = {v: k for k, v in ENDPOINT_BY_URL.items()}
+# Each endpoint's OpenAI-style url: the first one listed above.
+URL_BY_ENDPOINT: dict[Endpoint, str] = {}
+for _url, _endpoint in ENDPOINT_BY_URL.items():
+    URL_BY_ENDPOINT.setdefault(_endpoint, _url)
 
 # The error code of a row whose prompt, or prompt and max_tokens together, do not fit the model's
 # context, as OpenAI names it.

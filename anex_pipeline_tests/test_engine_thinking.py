@@ -211,7 +211,7 @@ def test_a_forced_call_after_thinking_holds_in_the_models_own_format(
         msg = message(line)
         assert all(name == "get_weather" for name, _ in calls_of(line)), key
         # after the trace only the call: whole (read as a call) or cut at the cap (its raw text)
-        assert msg["content"] is None or msg["content"].startswith("<tool_call>"), (key, msg["content"])
+        assert msg["content"] == "" or msg["content"].startswith("<tool_call>"), (key, msg["content"])
     # the trace that opened the call itself: thinking ended there and the call followed
     assert message(lines["req-on-1"])["reasoning_content"]
     assert message(lines["req-on-1"])["content"].startswith('<tool_call>{"name": "get_weather"')
@@ -254,8 +254,11 @@ def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
     text_src = write_jsonl(tmp_path / "text.jsonl", [text_row])
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     options = {"model": str(tiny), "reasoning_budget": 8, "max_tokens": 40, "temperature": 1.0}
+    forced_src = write_jsonl(tmp_path / "forced.jsonl", forced_rows())
+    forced_options = {"model": str(tiny), "reasoning_budget": 0}
     run_job(runner, src, tmp_path / "own.jsonl", options)
     run_job(runner, text_src, tmp_path / "own-text.jsonl", options)
+    run_job(runner, forced_src, tmp_path / "own-forced.jsonl", forced_options)
     release_engines()  # its memory and cores go to the server
 
     folder = tmp_path / "machine-server"
@@ -266,6 +269,7 @@ def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
             served = JobRunner(inst, storage, EngineConfig(max_model_len=512, warm_server=True, keep_warm=True))
             report = run_job(served, src, tmp_path / "served.jsonl", options)
             run_job(served, text_src, tmp_path / "served-text.jsonl", options)
+            run_job(served, forced_src, tmp_path / "served-forced.jsonl", forced_options)
             served.close()
     finally:
         stop_server(folder)
@@ -303,3 +307,15 @@ def test_the_shared_server_continues_a_cut_trace_as_the_in_process_engine_does(
     assert "token_ids" not in theirs["cut"]["response"]["body"]["choices"][0]  # asked for by the engine alone
     quiet = message(theirs["quiet"])
     assert quiet.get("reasoning_content") is None and BUDGET_NOTICE not in quiet["content"]
+    # Forced calls: the server holds them in hermes' format as the in-process engine now does, so
+    # the answers are the same token for token (the calls' ids are random).
+    own_forced, served_forced = answers(tmp_path / "own-forced.jsonl"), answers(tmp_path / "served-forced.jsonl")
+    assert set(own_forced) == set(served_forced)
+    for key, line in served_forced.items():
+        mine, server = message(own_forced[key]), message(line)
+        assert calls_of(line) == calls_of(own_forced[key]), key
+        assert server["content"] == mine["content"] and server.get("reasoning") == mine.get("reasoning"), key
+        assert server.get("reasoning_content") == mine.get("reasoning_content") == mine.get("reasoning"), key
+        finish = [a["response"]["body"]["choices"][0]["finish_reason"] for a in (line, own_forced[key])]
+        assert finish[0] == finish[1], key
+    assert message(served_forced["req-on-1"])["reasoning"]  # ended by the <tool_call> it wrote

@@ -95,6 +95,49 @@ def test_pairs_follow_vllms_pairing() -> None:
     assert score_pairs("rerank", {"query": "q", "documents": ["a", "b"]}) == [("q", "a"), ("q", "b")]
 
 
+@pytest.mark.parametrize(("first", "second"), [("queries", "documents"), ("queries", "items"), ("data_1", "data_2")])
+def test_vllms_other_spellings_of_a_score_row_pair_as_text_1_and_text_2(first: str, second: str) -> None:
+    body = {first: ["x", "y"], second: ["a", "b"]}
+    assert problems(body, "score") == []
+    assert score_pairs("score", body) == score_pairs("score", {"text_1": ["x", "y"], "text_2": ["a", "b"]})
+    assert problems({first: "q", second: []}, "score")[0][0] == f"body.{second}"
+    mixed = problems({"text_1": "q", "text_2": ["a"], "queries": "q"}, "score")
+    assert [f for f, _ in mixed] == ["body.queries"] and "one spelling" in mixed[0][1]
+
+
+def test_vllms_own_score_and_rerank_urls_run_in_one_file(tmp_path: Path, fake_runner: JobRunner, model: str) -> None:
+    """vLLM's run_batch batches: /score and /v1/score lines in one file, /rerank, /v1/rerank and
+    /v2/rerank in another, each line in one of vLLM's spellings."""
+    query, docs = (
+        "What is the capital of France?",
+        ["The capital of Brazil is Brasilia.", "The capital of France is Paris."],
+    )
+    rows = [
+        {"custom_id": "request-1", "method": "POST", "url": "/score", "body": {"queries": query, "documents": docs}},
+        {"custom_id": "request-2", "method": "POST", "url": "/v1/score", "body": {"queries": query, "items": docs}},
+        {"custom_id": "request-3", "method": "POST", "url": "/score", "body": {"data_1": query, "data_2": docs}},
+    ]
+    report = fake_runner.run(
+        fake_runner.submit(
+            str(write_jsonl(tmp_path / "s.jsonl", rows)), str(tmp_path / "s.out.jsonl"), {"model": model}
+        )
+    )
+    assert report.status == "completed" and report.request_counts.completed == 3
+    scores = {
+        k: [d["score"] for d in v["response"]["body"]["data"]] for k, v in answers(tmp_path / "s.out.jsonl").items()
+    }
+    assert scores["request-1"] == scores["request-2"] == scores["request-3"] and len(scores["request-1"]) == 2
+    rerank = [
+        {"custom_id": f"r-{n}", "method": "POST", "url": url, "body": {"query": query, "documents": docs}}
+        for n, url in enumerate(("/rerank", "/v1/rerank", "/v2/rerank"))
+    ]
+    src = write_jsonl(tmp_path / "r.jsonl", rerank)
+    report = fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "r.out.jsonl"), {"model": model}))
+    assert report.status == "completed" and report.request_counts.completed == 3
+    lines = read_jsonl(tmp_path / "r.out.jsonl")
+    assert all(line["error"] is None and line["response"]["body"]["results"] for line in lines)
+
+
 def test_http_engine_posts_the_rows_texts_to_vllms_scoring_paths() -> None:
     from anex_pipeline.engine.base import EngineRequest
 

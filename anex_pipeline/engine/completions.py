@@ -30,6 +30,7 @@ class Generated:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     # The choice's logprobs in its endpoint's shape (chat's ``content`` list, completions' four lists).
     logprobs: dict[str, Any] | None = None
+    forced: str | None = None  # "required" or "named": the chat row forced a tool call
 
 
 def usage(*choices: Generated) -> dict[str, Any]:
@@ -46,14 +47,17 @@ def usage(*choices: Generated) -> dict[str, Any]:
 
 
 def _chat_choice(index: int, g: Generated) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": g.text}
+    # A forced call's message always has a text, "" beside the calls, as vLLM's server writes it.
+    message: dict[str, Any] = {"role": "assistant", "content": g.text or "" if g.forced else g.text}
     if g.reasoning is not None:  # under both names: OpenAI-compatible servers' and vLLM 0.32's own
         message["reasoning_content"] = message["reasoning"] = g.reasoning
     finish = g.finish_reason
     if g.tool_calls:
         message["tool_calls"] = g.tool_calls
-        if finish == "stop":
-            finish = "tool_calls"
+    # As OpenAI (and vLLM's server) end a call: "tool_calls" for a called or required one, "stop"
+    # for a named one.
+    if finish == "stop" and (g.forced == "required" or (g.tool_calls and g.forced is None)):
+        finish = "tool_calls"
     return {"index": index, "message": message, "logprobs": g.logprobs, "finish_reason": finish}
 
 

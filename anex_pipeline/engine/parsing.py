@@ -312,6 +312,7 @@ class Parsed:
     content: str | None
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    forced: str | None = None  # "required" or "named" when the row forced a call (see forced_kind)
 
 
 class OutputParser:
@@ -404,6 +405,7 @@ class OutputParser:
             parsed.tool_calls, parsed.content = forced_calls(parsed.content, body), None
         if body.get("parallel_tool_calls") is False:  # as vLLM's server: the first call only
             parsed.tool_calls = parsed.tool_calls[:1]
+        parsed.forced = forced_kind(body)
         return parsed
 
     def forced_constraint(self, body: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any]) -> Any:
@@ -431,12 +433,19 @@ class OutputParser:
         return constraint if constraint is not None else StructuredOutputsParams(json=schema)
 
 
+def forced_kind(body: Mapping[str, Any]) -> str | None:
+    """How a chat row forces a tool call: ``"required"``, ``"named"`` or None (it does not)."""
+    choice = body.get("tool_choice")
+    if not body.get("tools"):
+        return None
+    return "required" if choice == "required" else "named" if isinstance(choice, dict) else None
+
+
 def forced_tool_schema(body: Mapping[str, Any]) -> dict[str, Any] | None:
     """The JSON schema generation is held to when a chat row forces a tool call, built by vLLM's
     server code: the named function's parameters, or for ``"required"`` a list of calls to the
     row's functions (at most one when ``parallel_tool_calls`` is false). None when none is forced."""
-    choice = body.get("tool_choice")
-    if not body.get("tools") or not (choice == "required" or isinstance(choice, dict)):
+    if forced_kind(body) is None:
         return None
     from vllm.tool_parsers.utils import get_json_schema_from_tools
 

@@ -1,7 +1,9 @@
 """Score and rerank rows: the text pairs a row asks a cross-encoder to score, and the responses
 its scores make, shaped as vLLM's server shapes them (``ScoreResponse`` and ``RerankResponse``).
 
-A score row pairs ``text_1`` with ``text_2`` one to one, one to each of N, or N to N in order; a
+A score row pairs ``text_1`` with ``text_2`` (or vLLM's other spellings of the two sides:
+``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2``) one to one, one to each of
+N, or N to N in order; a
 rerank row pairs its ``query`` with each of its ``documents``. Every engine here scores the
 pairs this module lists and builds its response with the functions below, so the shapes are one.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+from anex_pipeline.request_fields import score_sides
 
 
 def _texts(value: str | list[str]) -> list[str]:
@@ -21,7 +25,8 @@ def score_pairs(endpoint: str, body: dict[str, Any]) -> list[tuple[str, str]]:
     items (``text_2``'s or the documents' order)."""
     if endpoint == "rerank":
         return [(body["query"], doc) for doc in _texts(body["documents"])]
-    first, second = _texts(body["text_1"]), _texts(body["text_2"])
+    first_side, second_side = score_sides(body)
+    first, second = _texts(body[first_side]), _texts(body[second_side])
     if len(first) == 1:
         first = first * len(second)
     return list(zip(first, second, strict=True))

@@ -10,6 +10,8 @@ from typing import Any
 from anex_pipeline.request_fields import (
     MAX_SCORE_TEXT_CHARS,
     MAX_SCORE_TEXTS,
+    SCORE_SIDES,
+    score_sides,
 )
 from anex_pipeline.responses import EFFORTS, IMAGE_PART, ITEM_ROLES, TEXT_PARTS
 from anex_pipeline.spec import INVALID_TYPE, MISSING_PARAMETER
@@ -180,20 +182,23 @@ def check_embedding_request(
 
 
 def check_score_request(body: dict[str, Any]) -> list[FieldProblem]:
-    """A score row's ``text_1`` and ``text_2``, paired as vLLM pairs them: one to one, one to each
-    of N, or N to N in order."""
-    problems = _check_score_texts(body.get("text_1"), "body.text_1") + _check_score_texts(
-        body.get("text_2"), "body.text_2"
-    )
-    first, second = body.get("text_1"), body.get("text_2")
+    """A score row's two sides (``text_1`` and ``text_2``, or one of vLLM's other spellings),
+    paired as vLLM pairs them: one to one, one to each of N, or N to N in order."""
+    a, b = score_sides(body)
+    others = sorted({name for pair in SCORE_SIDES for name in pair} & set(body) - {a, b})
+    if others:
+        message = f"is another spelling of a score row's sides than {a}/{b}; give the two sides in one spelling"
+        return [FieldProblem(f"body.{others[0]}", message)]
+    problems = _check_score_texts(body.get(a), f"body.{a}") + _check_score_texts(body.get(b), f"body.{b}")
+    first, second = body.get(a), body.get(b)
     if not problems and isinstance(first, list) and len(first) > 1:
         count = len(second) if isinstance(second, list) else 1
         if count != len(first):
             message = (
-                f"holds {len(first)} texts but body.text_2 holds {count}; give one text_1 for all of "
-                "text_2, or as many as text_2 has, in order"
+                f"holds {len(first)} texts but body.{b} holds {count}; give one {a} for all of "
+                f"{b}, or as many as {b} has, in order"
             )
-            problems.append(FieldProblem("body.text_1", message))
+            problems.append(FieldProblem(f"body.{a}", message))
     return problems
 
 

@@ -161,6 +161,7 @@ class TraceContinuation:
             reasoning_tokens=count_thinking_tokens(cut.prompt_ids, output_ids, m.thinking.start, m.thinking.end),
             tool_calls=parsed.tool_calls,
             logprobs=self._logprobs(req, first["choices"][0].get("logprobs"), cut, rest_choice.get("logprobs")),
+            forced=parsed.forced,
         )
         joined = body_for(req.endpoint, req.request_id, first["model"], generated)
         joined.update(id=first["id"], created=first["created"])

@@ -89,6 +89,7 @@ class OutputShaper:
             reasoning_tokens=thinking,
             tool_calls=parsed.tool_calls,
             logprobs=self._logprobs_object(req, answer),
+            forced=parsed.forced,
         )
 
     def _logprobs_object(self, req: EngineRequest, answer: Answer) -> dict[str, Any] | None:
