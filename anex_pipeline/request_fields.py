@@ -122,6 +122,10 @@ BODY_FIELDS: dict[str, BodyField] = {
     "top_n": BodyField((int,), frozenset({RERANK})),
 }
 
+# The content part types of a chat message that hold text, as vLLM's chat code reads them (the
+# Responses API's names and a refusal included); the media parts are the media stage's.
+CHAT_TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
 # The field that holds each endpoint's prompt: what an error about the prompt names.
 PROMPT_FIELDS = {
     CHAT: "messages",

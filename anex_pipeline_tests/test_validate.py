@@ -155,3 +155,19 @@ def test_depth_counts_the_outer_value_as_the_first_level_without_recursion() -> 
 )
 def test_pydantic_error_types_map_to_openais_codes(error_type: str, code: str) -> None:
     assert pydantic_code(error_type) == code
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image", "image": "https://example.com/a.png"},  # Ray Data's spelling
+        {"type": "input_image", "image_url": "https://example.com/a.png"},  # the Responses API's, not chat's
+        {"type": "image_pil", "image_pil": "x"},
+        {"type": "file", "file": {"file_id": "f"}},
+    ],
+)
+def test_a_content_part_of_a_type_chat_rows_do_not_take_is_refused_at_submit(part: dict[str, Any]) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]}
+    found = check_body(body, "chat", frozenset({"m"}))
+    assert [p.field for p in found] == ["body.messages[0].content[1].type"]
+    assert "image_url" in found[0].message and part["type"] in found[0].message

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from anex_pipeline.request_fields import (
+    CHAT_TEXT_PARTS,
     MAX_SCORE_TEXT_CHARS,
     MAX_SCORE_TEXTS,
     SCORE_SIDES,
@@ -18,7 +19,7 @@ from anex_pipeline.spec import INVALID_TYPE, MISSING_PARAMETER
 from anex_pipeline.validate.answers import (
     check_text_format,
 )
-from anex_pipeline.validate.media_refs import part_reference, reference_problem
+from anex_pipeline.validate.media_refs import MEDIA_PARTS, part_reference, reference_problem
 from anex_pipeline.validate.numbers import INT32_MAX
 from anex_pipeline.validate.problems import FieldProblem, kind_of, wrong_kind
 
@@ -32,6 +33,10 @@ MAX_INPUT_TOKEN_IDS = 8192  # OpenAI's limit of tokens in one embedding input, h
 
 
 ENCODING_FORMATS = ("float", "base64")
+
+
+# The content part types a chat message may hold: text, and media by URL or inline data.
+CHAT_PARTS = (*CHAT_TEXT_PARTS, *MEDIA_PARTS)
 
 
 def check_messages(messages: Any) -> list[FieldProblem]:
@@ -53,6 +58,12 @@ def check_messages(messages: Any) -> list[FieldProblem]:
             continue
         if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
             for p, part in enumerate(content):  # media URLs the media stage would never fetch
+                if part["type"] not in CHAT_PARTS:
+                    message = (
+                        f"is {json.dumps(part['type'])}, a content part type chat rows do not take; use one of "
+                        f'{", ".join(CHAT_PARTS)} (an image as {{"type": "image_url", "image_url": {{"url": ...}}}})'
+                    )
+                    return [FieldProblem(f"{where}.content[{p}].type", message)]
                 url = part_reference(part)
                 if url is not None and (why := reference_problem(url)) is not None:
                     return [FieldProblem(f"{where}.content[{p}].{part['type']}", why)]

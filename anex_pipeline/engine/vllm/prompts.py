@@ -13,6 +13,7 @@ from anex_pipeline.engine.base import EngineRequest
 from anex_pipeline.engine.completions import one_prompt
 from anex_pipeline.errors import AnexError
 from anex_pipeline.media.audio import audio_problem
+from anex_pipeline.request_fields import CHAT_TEXT_PARTS
 
 # Content part type -> (vLLM's name of the modality, the word for it in messages).
 MEDIA_PART_TYPES = {
@@ -146,8 +147,8 @@ class PromptRenderer:
         texts = []
         for p, part in enumerate(content):
             kind = part.get("type")
-            if kind == "text":
-                texts.append(str(part.get("text", "")))
+            if kind in CHAT_TEXT_PARTS:
+                texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
             elif kind in MEDIA_PART_TYPES:
                 raise RequestProblem(
                     f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
