@@ -19,7 +19,7 @@ from anex_pipeline.errors import RejectedError
 from anex_pipeline.spec import INVALID_JSON, INVALID_TYPE, INVALID_VALUE, JobOptions, JobRejected, Problem
 from anex_pipeline.storage import FileTooLarge, read_regular_file
 from anex_pipeline.validate import check_fields
-from anex_pipeline.validate.answers import check_logprobs, check_response_format
+from anex_pipeline.validate.answers import check_labels, check_logprobs, check_response_format
 from anex_pipeline.validate.numbers import (
     MAX_CHOICES,
     NUMBER_FIELDS,
@@ -147,6 +147,8 @@ def job_options(raw: dict[str, Any]) -> JobOptions:
     found = check_fields(options.sampling_defaults(), "chat")  # the rows' defaults: a row's own ranges
     found += check_logprobs({"logprobs": options.logprobs, "top_logprobs": options.top_logprobs}, "chat")
     if found:
+        raise JobRejected(_as_options(found))
+    if options.labels is not None and (found := check_labels(options.labels)):
         raise JobRejected(_as_options(found))
     if options.response_format is not None:
         found = check_response_format(options.response_format, "response_format")

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = "chat", "completions", "embeddings", "responses"
 SCORE, RERANK = "score", "rerank"
+CLASSIFY = "classify"  # a sequence classifier's label and probabilities for each input
 GENERATION = frozenset({CHAT, COMPLETIONS, RESPONSES})
 CHAT_AND_COMPLETIONS = frozenset({CHAT, COMPLETIONS})  # fields a responses request names otherwise
 SCORING = frozenset({SCORE, RERANK})  # a cross-encoder's scores of text pairs
 # Endpoints a pooling model answers: nothing is generated, so no output length is estimated and no
 # answer is checked against a format; their answers are deterministic.
-POOLING = frozenset({EMBEDDINGS, *SCORING})
+POOLING = frozenset({EMBEDDINGS, *SCORING, CLASSIFY})
 ALL = frozenset({*GENERATION, *POOLING})
 
 NUMBER = (int, float)  # a JSON number (true and false are not numbers here)
@@ -56,7 +57,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "model": BodyField(OWN_CHECK, ALL),
     "messages": BodyField(OWN_CHECK, frozenset({CHAT})),
     "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS})),
-    "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS, RESPONSES})),
+    "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS, RESPONSES, CLASSIFY})),
     "instructions": BodyField((str,), frozenset({RESPONSES})),
     # sampling, handed to the engine's sampler
     "temperature": BodyField(NUMBER, sampling=True, low=0, high=2),
@@ -110,6 +111,8 @@ BODY_FIELDS: dict[str, BodyField] = {
     # embeddings only
     "encoding_format": BodyField((str,), frozenset({EMBEDDINGS})),
     "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
+    # classify only: vLLM's switch for the classifier's activation (false: the raw logits)
+    "use_activation": BodyField((bool,), frozenset({CLASSIFY})),
     # scoring: pairs of texts (score) or a query against documents (rerank)
     "text_1": BodyField(OWN_CHECK, frozenset({SCORE})),
     "text_2": BodyField(OWN_CHECK, frozenset({SCORE})),
@@ -134,6 +137,7 @@ PROMPT_FIELDS = {
     RESPONSES: "input",
     SCORE: "text_2",
     RERANK: "documents",
+    CLASSIFY: "input",
 }
 # Chat request fields a responses request names otherwise (the names its errors and hints use).
 RESPONSES_NAMES = {

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
-Endpoint = Literal["chat", "completions", "embeddings", "responses", "score", "rerank"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "score", "rerank", "classify"]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
@@ -23,10 +23,12 @@ ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/responses": "responses",
     "/v1/score": "score",
     "/v1/rerank": "rerank",
+    "/v1/classify": "classify",
     # vLLM's own paths of the same endpoints, as its server and run_batch take them
     "/score": "score",
     "/rerank": "rerank",
     "/v2/rerank": "rerank",
+    "/classify": "classify",
 }
 # Each endpoint's OpenAI-style url: the first one listed above.
 URL_BY_ENDPOINT: dict[Endpoint, str] = {}
@@ -104,6 +106,8 @@ class JobOptions(_Strict):
     prompt_column: str | None = None
     image_column: str | None = None
     system_prompt: str | None = None
+    # chat jobs: each row answers with one of these labels and its probability (engine/labels.py)
+    labels: list[str] | None = None
     estimate_sample_size: int = Field(default=100, ge=4, le=4096)
     estimate_seed: int = 0
     checkpoint_rows: int = Field(default=256, ge=1, le=100_000)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anex_pipeline.engine.base import Engine, EngineRequest, rejected
+from anex_pipeline.engine.classify import classification_response
 from anex_pipeline.engine.completions import Generated, body_for, embedding_response, one_prompt, unit_vector
 from anex_pipeline.engine.loader import register_engine
 from anex_pipeline.engine.scoring import score_pairs, scoring_response
@@ -44,6 +45,14 @@ class FakeEngine(Engine):
             tokens = sum(len(t.split()) for t in texts)
             body = embedding_response(self.model_name, vectors, tokens, req.body.get("encoding_format"))
             return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
+        if req.endpoint == "classify":  # two classes: the share of an input's letters that are vowels, and the rest
+            given = req.body["input"]
+            inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
+            texts = [t if isinstance(t, str) else " ".join(map(str, t)) for t in inputs]
+            probs = [[share, 1.0 - share] for share in (sum(c in "aeiou" for c in t) / max(1, len(t)) for t in texts)]
+            tokens = sum(len(t.split()) for t in texts)
+            body = classification_response(req.request_id, self.model_name, {0: "vowels", 1: "other"}, probs, tokens)
+            return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
         if req.endpoint in SCORING:
             pairs = score_pairs(req.endpoint, req.body)
             scores = [_overlap(first, second) for first, second in pairs]
@@ -58,18 +67,21 @@ class FakeEngine(Engine):
         if len(words) > self.context_words:
             problem = f"prompt of {len(words)} tokens exceeds the context"
             return rejected(req, problem, PROMPT_FIELDS[req.endpoint], CONTEXT_LENGTH_EXCEEDED)
-        if req.response_format is not None:
-            answer = json.dumps({"answer": req.key})
+        choice = (req.body.get("structured_outputs") or {}).get("choice")
+        if choice:  # one of the choices, picked by the row's key, in tokens of 3 characters
+            label = choice[sum(map(ord, req.key)) % len(choice)]
+            tokens = [label[n : n + 3] for n in range(0, len(label), 3)]
         else:
-            answer = f"answer to {req.key}: " + " ".join(words[-3:])
-        out = answer.split(" ")
+            if req.response_format is not None:
+                answer = json.dumps({"answer": req.key})
+            else:
+                answer = f"answer to {req.key}: " + " ".join(words[-3:])
+            tokens = [w if n == 0 else f" {w}" for n, w in enumerate(answer.split(" "))]
         cap = req.max_tokens or 1000
-        finish = "length" if len(out) > cap else "stop"
-        g = Generated(" ".join(out[:cap]), finish, len(words), min(len(out), cap))
+        finish = "length" if len(tokens) > cap else "stop"
+        g = Generated("".join(tokens[:cap]), finish, len(words), min(len(tokens), cap))
         if req.logprobs is not None:
-            g.logprobs = _logprobs(
-                req.endpoint, [w if n == 0 else f" {w}" for n, w in enumerate(out[:cap])], req.logprobs
-            )
+            g.logprobs = _logprobs(req.endpoint, tokens[:cap], req.logprobs)
         body = body_for(req.endpoint, req.request_id, self.model_name, g)
         usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
         return RowOutcome(req.index, req.key, 200, body=body, usage=usage)

@@ -49,6 +49,9 @@ class EngineRequest:
     logprobs: int | None = None
     choices: int = 1  # the row's n: answers generated for its prompt
     adapter: str | None = None  # the LoRA adapter the row runs on (its name); None: the base model
+    # The job's labels option: the row is held to one of them and its answer carries its probability.
+    labels: tuple[str, ...] | None = None
+    labels_only_logprobs: bool = False  # the logprobs were asked for the label's probability alone
 
     @property
     def template_arguments(self) -> dict[str, Any]:
@@ -163,6 +166,10 @@ def resolve_request(
     body = row.body
     if endpoint == "responses":
         endpoint = "chat"
+    labels = tuple(options.labels) if options.labels and endpoint == "chat" else None
+    asked_logprobs = body.get("logprobs") is True
+    if labels is not None:  # held to the labels, with the logprobs their probability is read from
+        body = {**body, "structured_outputs": {"choice": list(labels)}, "logprobs": True}
     sampling = options.sampling_defaults()
     sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_FIELDS})
     cap_field = next((name for name in CAP_FIELDS if body.get(name) is not None), None)
@@ -200,6 +207,8 @@ def resolve_request(
         logprobs=logprobs_asked(endpoint, body),
         choices=body.get("n") or 1,
         adapter=row_adapter(body, options.lora_modules, options.adapter),
+        labels=labels,
+        labels_only_logprobs=labels is not None and not asked_logprobs,
     )
 
 

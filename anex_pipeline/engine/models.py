@@ -76,6 +76,8 @@ _ENDPOINT_KIND = {
     "rerank": "scoring",
     "/v1/score": "scoring",
     "/v1/rerank": "scoring",
+    "classify": "classifying",
+    "/v1/classify": "classifying",
 }
 
 
@@ -221,8 +223,9 @@ def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
     if kind is None:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {sorted(_ENDPOINT_KIND)}")
 
-    if name is None and kind == "scoring":
-        message = f"a {endpoint} job needs a cross-encoder model and none is bundled; name one with --model"
+    if name is None and kind in ("scoring", "classifying"):
+        wanted = "a cross-encoder" if kind == "scoring" else "a sequence-classification"
+        message = f"a {endpoint} job needs {wanted} model and none is bundled; name one with --model"
         raise JobRejected([Problem(message, field="model", code=MISSING_PARAMETER)])
     if name is None:
         bundled = "embedding" if kind == "embeddings" else "chat"

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from anex_pipeline.engine import prefix_order
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect
+from anex_pipeline.engine.labels import labelled
 from anex_pipeline.engine.prompt_parts import PromptParts
 from anex_pipeline.engine.structured import mark_completion
 from anex_pipeline.responses import as_response
@@ -80,4 +81,6 @@ def checked(outcome: RowOutcome, request: EngineRequest) -> RowOutcome:
     """A finished row after the checks every engine's rows get (cap reached, format), in the shape
     its endpoint answers in (a /v1/responses row's chat answer becomes a Responses object)."""
     outcome = mark_completion(outcome, request.response_format, request.endpoint)
+    if request.labels is not None:
+        outcome = labelled(outcome, request.labels, request.labels_only_logprobs)
     return outcome if request.respond is None else as_response(outcome, request.respond)

@@ -52,10 +52,20 @@ LOGPROBS_FIELD = pa.field(
 
 
 def value_field(endpoint: Endpoint) -> pa.Field:
-    """The result column a Parquet job adds: the answer text, or the embedding."""
+    """The result column a Parquet job adds: the answer text, the embedding, or a classify row's label."""
     if endpoint == "embeddings":
         return pa.field("embedding", pa.list_(pa.float32()))
+    if endpoint == "classify":
+        return pa.field("label", pa.string())
     return pa.field("output", pa.string())
+
+
+# Result columns beside the value, kept in the checkpoint under their result names (null where
+# the job has none): a classify row's probabilities, and the label and its probability of a job
+# with the labels option.
+PROBS_FIELD = pa.field("probs", pa.list_(pa.float64()))
+LABEL_FIELD = pa.field("label", pa.string())
+LABEL_PROB_FIELD = pa.field("label_prob", pa.float64())
 
 
 def schema(endpoint: Endpoint) -> pa.Schema:
@@ -73,6 +83,9 @@ def schema(endpoint: Endpoint) -> pa.Schema:
             pa.field("finish_reason", pa.string()),
             pa.field("value", value_field(endpoint).type),
             LOGPROBS_FIELD,  # null unless the row asked for logprobs
+            PROBS_FIELD,
+            LABEL_FIELD,
+            LABEL_PROB_FIELD,
         ]
     )
 
@@ -172,6 +185,7 @@ def _batch(rows: list[RowOutcome], endpoint: Endpoint) -> pa.RecordBatch:
         "finish_reason": [finish_reason_of(endpoint, o.body) if o.error is None else None for o in rows],
         "value": [_value(o, endpoint) for o in rows],
         "logprobs": [token_logprobs_of(endpoint, o.body) if o.error is None else None for o in rows],
+        **{name: [_extra(o, endpoint, name) for o in rows] for name in ("probs", "label", "label_prob")},
     }
     return pa.RecordBatch.from_pydict(columns, schema=schema(endpoint))
 
@@ -181,7 +195,18 @@ def _value(o: RowOutcome, endpoint: Endpoint) -> Any:
         return None
     if endpoint == "embeddings":
         return o.body["data"][0]["embedding"]
+    if endpoint == "classify":
+        return o.body["data"][0]["label"]
     return text_of(endpoint, o.body)
+
+
+def _extra(o: RowOutcome, endpoint: Endpoint, name: str) -> Any:
+    """A result column beside the value (see PROBS_FIELD), from the row's body."""
+    if o.error is not None or o.body is None:
+        return None
+    if endpoint == "classify":
+        return o.body["data"][0]["probs"] if name == "probs" else None
+    return (o.body.get("anex") or {}).get(name) if name != "probs" else None
 
 
 def latest(path: Path, endpoint: Endpoint, window: int | None = None) -> Iterator[pa.Table]:

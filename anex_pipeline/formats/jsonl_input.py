@@ -28,7 +28,7 @@ from anex_pipeline.spec import (
 )
 from anex_pipeline.spec import MISSING_PARAMETER as MISSING
 from anex_pipeline.validate import EngineTraits, check_body
-from anex_pipeline.validate.answers import Constraints, TokenBudget
+from anex_pipeline.validate.answers import Constraints, TokenBudget, labels_problems
 from anex_pipeline.validate.problems import kind_of
 
 CHAT_URL = URL_BY_ENDPOINT["chat"]
@@ -173,10 +173,15 @@ def read_chunks(
     if (problem := option_problem(options)) is not None:
         yield problem
         return
+    if labels := labels_problems(endpoint, options):
+        yield from labels
+        return
     ids = _Ids()
     index = 0
     chunk: list[bytes] = []
-    traits = EngineTraits(_shortening(options.model) if endpoint == "embeddings" else None, priority)
+    traits = EngineTraits(
+        _shortening(options.model) if endpoint == "embeddings" else None, priority, bool(options.labels)
+    )
     budget = TokenBudget(options) if endpoint not in POOLING else None
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
     with path.open("rb") as f:

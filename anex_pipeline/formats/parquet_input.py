@@ -29,7 +29,7 @@ from anex_pipeline.spec import (
     Problem,
 )
 from anex_pipeline.validate import check_body
-from anex_pipeline.validate.answers import TokenBudget
+from anex_pipeline.validate.answers import TokenBudget, labels_problems
 from anex_pipeline.validate.problems import FieldProblem
 
 T = TypeVar("T")
@@ -51,6 +51,7 @@ PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "completions": ("prompt",),
     "embeddings": ("input", "text"),
     "responses": ("input", "prompt"),
+    "classify": ("input", "text"),
 }
 
 
@@ -152,9 +153,14 @@ def result_fields(schema: pa.Schema, endpoint: Endpoint, options: JobOptions) ->
     token counts and finish reason (an embedding has only its prompt's tokens) and, with the
     ``logprobs`` option, each generated token's logprobs."""
     added = [] if "id" in schema.names else [pa.field("row_index", pa.int64())]
-    added += [arrow_checkpoint.value_field(endpoint), pa.field("error_type", pa.string())]
+    added.append(arrow_checkpoint.value_field(endpoint))
+    if endpoint == "classify":
+        added.append(arrow_checkpoint.PROBS_FIELD)
+    if options.labels:
+        added += [arrow_checkpoint.LABEL_FIELD, arrow_checkpoint.LABEL_PROB_FIELD]
+    added.append(pa.field("error_type", pa.string()))
     if options.row_metadata:
-        added += [f for f in ROW_METADATA if endpoint != "embeddings" or f.name == "prompt_tokens"]
+        added += [f for f in ROW_METADATA if endpoint not in POOLING or f.name == "prompt_tokens"]
     if options.logprobs:
         added.append(arrow_checkpoint.LOGPROBS_FIELD)
     return added
@@ -165,8 +171,8 @@ def logprobs_problem(endpoint: Endpoint, options: JobOptions) -> Problem | None:
     generates no tokens, and a Responses object here carries no logprobs."""
     if not options.logprobs or endpoint in LOGPROBS_ENDPOINTS:
         return None
-    if endpoint == "embeddings":
-        reason = "an embeddings job generates no tokens, so there are no logprobs to give"
+    if endpoint in POOLING:
+        reason = f"an {endpoint} job generates no tokens, so there are no logprobs to give"
     else:
         reason = f"a {endpoint} job's answers carry no logprobs here; run the prompts with endpoint chat"
     return Problem(f"{reason}; remove logprobs and top_logprobs", field="logprobs")
@@ -218,7 +224,7 @@ def read_chunks(
         yield from exc.problems
         return
     found = [image_column_problem(pf.schema_arrow, endpoint, options), logprobs_problem(endpoint, options)]
-    option_problems = [p for p in found if p is not None]
+    option_problems = [p for p in found if p is not None] + labels_problems(endpoint, options)
     taken = _taken_names(pf.schema_arrow, endpoint, column, options)
     if taken or option_problems:
         yield from taken + option_problems
@@ -325,7 +331,7 @@ def request_body(
     """The OpenAI request body of one row's prompt value, with the job's system prompt and the
     row's image (from the image_column) added to its last message, and the job's logprobs asked
     for as a JSONL row asks for them. Raises ValueError for image bytes of no known image type."""
-    if endpoint == "embeddings":
+    if endpoint in ("embeddings", "classify"):
         return {"input": value}
     if endpoint == "completions":
         return {"prompt": value, **_logprobs_fields(endpoint, options)}

@@ -52,6 +52,8 @@ def fingerprint(req: EngineRequest) -> str | None:
     ]
     if req.adapter is not None:  # the job's adapter shapes the answer of a row that names none
         shape.append(req.adapter)
+    if req.labels is not None:  # whether the answer keeps the logprobs its label was read from
+        shape.append(req.labels_only_logprobs)
     return hashlib.sha256(msgspec.json.encode(shape, order="sorted")).hexdigest()
 
 

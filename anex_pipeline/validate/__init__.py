@@ -20,6 +20,7 @@ from anex_pipeline.responses import EFFORTS
 from anex_pipeline.spec import INVALID_TYPE, UNKNOWN_PARAMETER, Endpoint
 from anex_pipeline.validate.answers import (
     check_choices,
+    check_labelled_row,
     check_logprobs,
     check_response_format,
     check_structured_outputs,
@@ -64,6 +65,7 @@ class EngineTraits:
 
     shortening: tuple[bool, list[int] | None] | None = None
     priority: bool | None = None
+    labels: bool = False  # the job holds its chat rows to its labels option
 
 
 NO_TRAITS = EngineTraits()
@@ -94,6 +96,8 @@ def check_body(
         problems += check_score_request(body)
     elif endpoint == "rerank":
         problems += check_rerank_request(body)
+    elif endpoint == "classify":
+        problems += check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "classify")
     else:
         problems += check_embedding_request(body, model_names, traits.shortening)
     if "response_format" in body and endpoint != "embeddings":
@@ -122,6 +126,8 @@ def check_body(
             "priority; start it with --engine-arg scheduling_policy=priority, or remove priority"
         )
         problems.append(FieldProblem("body.priority", message))
+    if endpoint == "chat" and traits.labels:
+        problems += check_labelled_row(body)
     if endpoint == "chat" and body.get("continue_final_message") is True:
         problems += check_continuation(body)
     kwargs = body.get("chat_template_kwargs")

@@ -178,6 +178,55 @@ class Constraints:
         return bool(self.lines) or bool(self._past_lines)
 
 
+# The labels job option: how many labels, and how long each may be.
+MAX_LABELS = 256
+MAX_LABEL_CHARS = 256
+# Row fields that would hold a labels job's answer to something else, or give it several.
+LABELS_CONFLICTS = ("structured_outputs", "response_format", "tool_choice", "n")
+
+
+def check_labels(labels: list[str]) -> list[FieldProblem]:
+    """The labels option: 2 to MAX_LABELS distinct non-empty strings of at most MAX_LABEL_CHARS."""
+    if not 2 <= len(labels) <= MAX_LABELS:
+        return [FieldProblem("labels", f"holds {len(labels)} labels; give 2 to {MAX_LABELS}")]
+    for n, label in enumerate(labels):
+        if not label or len(label) > MAX_LABEL_CHARS:
+            return [FieldProblem(f"labels[{n}]", f"must be 1 to {MAX_LABEL_CHARS} characters, got {len(label)}")]
+    if len(set(labels)) < len(labels):
+        twice = next(label for label in labels if labels.count(label) > 1)
+        return [FieldProblem("labels", f"names {json.dumps(twice)} twice; each label once")]
+    return []
+
+
+def labels_problems(endpoint: Endpoint, options: JobOptions) -> list[Problem]:
+    """Why the job's labels option cannot apply: it holds chat answers, to labels alone."""
+    if not options.labels:
+        return []
+    if endpoint != "chat":
+        message = f"hold chat answers to one label each; a {endpoint} job cannot take them, so run the prompts as chat"
+        return [Problem(message, field="labels")]
+    if options.response_format is not None:
+        return [
+            Problem("cannot go with response_format: the labels are the answer's format; remove one", field="labels")
+        ]
+    return []
+
+
+def check_labelled_row(body: dict[str, Any]) -> list[FieldProblem]:
+    """A row of a labels job: nothing of its own that holds its answer to something else or asks
+    for several answers."""
+    for name in LABELS_CONFLICTS:
+        value = body.get(name)
+        if (
+            value is not None
+            and not (name == "tool_choice" and value in ("none", "auto"))
+            and not (name == "n" and value == 1)
+        ):
+            message = f"cannot go with the job's labels, which hold the answer to one label; remove {name}"
+            return [FieldProblem(f"body.{name}", message)]
+    return []
+
+
 def check_tool_choice(body: dict[str, Any]) -> list[FieldProblem]:
     """A tool_choice generation can be held to: one of the words, or a function the row offers."""
     choice, tools = body.get("tool_choice"), body.get("tools")

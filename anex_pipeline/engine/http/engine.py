@@ -41,7 +41,7 @@ from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, 
 from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import retryable_status
-from anex_pipeline.request_fields import PROMPT_FIELDS, SCORING
+from anex_pipeline.request_fields import CLASSIFY, PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ ENDPOINT_PATHS = {
     "embeddings": "/v1/embeddings",
     "score": "/score",
     "rerank": "/rerank",
+    "classify": "/classify",  # vLLM serves it at that path only
 }
 # An error type that is already an OpenAI-style failure class ("invalid_request_error"), as
 # opposed to an exception name such as vLLM's "BadRequestError".
@@ -415,7 +416,7 @@ def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
         # encoding here too, from the unit vector.
         body["encoding_format"] = "float"
         return body
-    if req.endpoint in SCORING:  # nothing is sampled: the row's texts go as they are
+    if req.endpoint in SCORING or req.endpoint == CLASSIFY:  # nothing is sampled: the texts go as they are
         return body
     body.update(req.sampling)
     body.pop("max_completion_tokens", None)

@@ -4,8 +4,9 @@ vLLM is imported when an engine is built, never at module import, so that loadin
 code location stays fast. The engine is built from parts, as vLLM's own ``v1/engine`` is: the
 prompts (:mod:`.prompts`), the sampling parameters (:mod:`.sampling`), the stepping loop around
 ``LLMEngine.add_request``/``step`` (:mod:`.stepping`) and the responses (:mod:`.outputs`); this
-module loads the model, wires those parts to it, embeds the rows of an embedding model and scores
-the score and rerank rows of a cross-encoder (``LLM.score``).
+module loads the model, wires those parts to it, embeds the rows of an embedding model, scores
+the score and rerank rows of a cross-encoder (``LLM.score``) and classifies the classify rows of a
+sequence classifier (``LLM.classify``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from anex_pipeline.engine import collector
 from anex_pipeline.engine.adapters import AdapterRequests
 from anex_pipeline.engine.base import Engine, EngineRequest, StopCheck, collect, in_groups, rejected
+from anex_pipeline.engine.classify import classification_response
 from anex_pipeline.engine.config import EngineSettings
 from anex_pipeline.engine.engine_args import engine_kwargs, vllm_version
 from anex_pipeline.engine.parsing import OutputParser, ParserNames
@@ -34,7 +36,7 @@ from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler, reasoning_kwargs
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.engine.vllm.watchdog import EngineWatch
-from anex_pipeline.request_fields import SCORING
+from anex_pipeline.request_fields import CLASSIFY, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,8 @@ class VllmLocalEngine(Engine):
         so per group)."""
         if requests and requests[0].endpoint in SCORING:
             return self._pooled(requests, lambda req: score_pairs(req.endpoint, req.body), self._score_batch)
+        if requests and requests[0].endpoint == CLASSIFY:
+            return self._pooled(requests, self._embedding_inputs, self._classify_batch)
         return self._pooled(requests, self._embedding_inputs, self._embed_batch)
 
     def _pooled(
@@ -221,6 +225,30 @@ class VllmLocalEngine(Engine):
             (req, self.outputs.embedding_outcome(req, sum(map(len, inputs)), [next(vectors) for _ in inputs]))
             for req, inputs in ready
         ]
+
+    def _classify_batch(
+        self, ready: list[tuple[EngineRequest, list[list[int]]]]
+    ) -> list[tuple[EngineRequest, RowOutcome]]:
+        """Classifies every input of every row in one ``LLM.classify`` call (with the row's
+        ``use_activation``); each row's response names the classes as the model's config does."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for _, inputs in ready for ids in inputs]
+        params = [
+            PoolingParams(task="classify", use_activation=req.body.get("use_activation"))
+            for req, inputs in ready
+            for _ in inputs
+        ]
+        results = iter(self.llm.classify(prompts, pooling_params=params, use_tqdm=False))
+        id2label = getattr(self.llm.llm_engine.model_config.hf_config, "id2label", None) or {}
+        done = []
+        for req, inputs in ready:
+            probs = [next(results).outputs.probs for _ in inputs]
+            tokens = sum(map(len, inputs))
+            body = classification_response(req.request_id, self.model_name, id2label, probs, tokens)
+            done.append((req, RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})))
+        return done
 
     def _score_batch(
         self, ready: list[tuple[EngineRequest, list[tuple[str, str]]]]
