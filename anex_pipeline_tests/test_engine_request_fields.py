@@ -331,3 +331,37 @@ def test_a_parquet_job_with_logprobs_gets_an_entry_per_token_each_its_own_best_a
                 assert 2 <= len(t["top_logprobs"]) <= (2 if endpoint == "chat" else 3)
                 assert best["token"] == t["token"] and math.isclose(best["logprob"], t["logprob"], abs_tol=1e-4)
                 assert all(a["logprob"] <= best["logprob"] for a in t["top_logprobs"])
+
+
+def test_a_labels_job_holds_each_answer_to_a_label_and_gives_its_probability(
+    tmp_path: Path, real_runner: JobRunner
+) -> None:
+    """The labels option on the real engine: the answer is one label, and its probability is the
+    product of the probabilities of the label's tokens as the model gave them (their logprobs)."""
+    from anex_pipeline.engine.labels import label_tokens
+
+    labels = ["positive", "negative", "mixed feelings"]
+    reviews = ["I loved every minute of it.", "Terrible food and slow service.", "Good seats, bad sound."]
+    rows = [chat_row(f"r{n}", f"Classify the review: {text}") for n, text in enumerate(reviews)]
+    rows += [chat_row(f"asks{n}", f"Classify the review: {text}", logprobs=True) for n, text in enumerate(reviews)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = {"labels": labels, "temperature": 0}
+    assert run_job(real_runner, src, tmp_path / "out.jsonl", options).status == "completed"
+    got = bodies(tmp_path / "out.jsonl")
+    for n in range(len(reviews)):
+        plain, asked = got[f"r{n}"], got[f"asks{n}"]
+        label = asked["choices"][0]["message"]["content"]
+        assert label in labels and asked["anex"]["label"] == label
+        assert plain["anex"] == asked["anex"] and plain["choices"][0]["logprobs"] is None
+        spelt = label_tokens(asked["choices"][0]["logprobs"]["content"], label)
+        assert "".join(t["token"] for t in spelt) == label
+        assert math.isclose(sum(t["logprob"] for t in spelt), math.log(asked["anex"]["label_prob"]), abs_tol=1e-9)
+        assert 0 < asked["anex"]["label_prob"] < 1
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"Classify the review: {text}" for text in reviews]}), src)
+    assert run_job(real_runner, src, tmp_path / "out.parquet", options).status == "completed"
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("label").to_pylist() == [got[f"r{n}"]["anex"]["label"] for n in range(len(reviews))]
+    for prob, n in zip(table.column("label_prob").to_pylist(), range(len(reviews)), strict=True):
+        assert math.isclose(prob, got[f"r{n}"]["anex"]["label_prob"], rel_tol=1e-6)

@@ -281,6 +281,17 @@ def build_matryoshka_embedding_model(dest: Path) -> Path:
 def build_tiny_cross_encoder(folder: Path, *, seed: int = 0) -> Path:
     """A random 2-layer ``BertForSequenceClassification`` with one label (what vLLM scores pairs
     with as a cross-encoder), on the embedded MiniLM's BERT tokenizer (its files copied)."""
+    return build_tiny_classifier(folder, labels=None, seed=seed)
+
+
+# The classes of the tiny sequence classifier, in the order of its outputs.
+CLASSIFIER_LABELS = ("negative", "neutral", "positive")
+
+
+def build_tiny_classifier(folder: Path, *, labels: tuple[str, ...] | None = CLASSIFIER_LABELS, seed: int = 0) -> Path:
+    """A random 2-layer ``BertForSequenceClassification`` on the embedded MiniLM's BERT tokenizer
+    (its files copied): with ``labels``, a classifier of those classes (named in ``id2label``, as
+    vLLM's classify answers name them); without, one label, a cross-encoder."""
     import shutil
 
     from transformers import BertConfig, BertForSequenceClassification
@@ -291,6 +302,7 @@ def build_tiny_cross_encoder(folder: Path, *, seed: int = 0) -> Path:
     source = embedding_model_dir()
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(source / name, folder / name)
+    named = {} if labels is None else {"id2label": dict(enumerate(labels))}
     config = BertConfig(
         vocab_size=30522,
         hidden_size=HIDDEN,
@@ -298,8 +310,9 @@ def build_tiny_cross_encoder(folder: Path, *, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=HIDDEN // HEAD_DIM,
         max_position_embeddings=512,
-        num_labels=1,
-        initializer_range=0.5,  # BERT's 0.02 gives every pair nearly the same score
+        num_labels=1 if labels is None else len(labels),
+        initializer_range=0.5,  # BERT's 0.02 gives every input nearly the same output
+        **named,
     )
     save_random(BertForSequenceClassification, config, folder, seed=seed)
     return folder
