@@ -16,13 +16,16 @@ from dataclasses import dataclass
 CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = "chat", "completions", "embeddings", "responses"
 SCORE, RERANK = "score", "rerank"
 CLASSIFY = "classify"  # a sequence classifier's label and probabilities for each input
+TRANSCRIPTIONS, TRANSLATIONS = "transcriptions", "translations"
+AUDIO = frozenset({TRANSCRIPTIONS, TRANSLATIONS})  # a speech-to-text model's text of a sound
 GENERATION = frozenset({CHAT, COMPLETIONS, RESPONSES})
 CHAT_AND_COMPLETIONS = frozenset({CHAT, COMPLETIONS})  # fields a responses request names otherwise
 SCORING = frozenset({SCORE, RERANK})  # a cross-encoder's scores of text pairs
 # Endpoints a pooling model answers: nothing is generated, so no output length is estimated and no
 # answer is checked against a format; their answers are deterministic.
 POOLING = frozenset({EMBEDDINGS, *SCORING, CLASSIFY})
-ALL = frozenset({*GENERATION, *POOLING})
+ALL = frozenset({*GENERATION, *POOLING, *AUDIO})
+SAMPLED = frozenset({*GENERATION, *AUDIO})  # endpoints whose answers are sampled
 
 NUMBER = (int, float)  # a JSON number (true and false are not numbers here)
 OWN_CHECK = ()  # a field that validate.check_body checks by itself, more closely
@@ -56,20 +59,20 @@ BODY_FIELDS: dict[str, BodyField] = {
     # what the row asks
     "model": BodyField(OWN_CHECK, ALL),
     "messages": BodyField(OWN_CHECK, frozenset({CHAT})),
-    "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS})),
+    "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS, *AUDIO})),  # a sound's: text the model continues from
     "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS, RESPONSES, CLASSIFY})),
     "instructions": BodyField((str,), frozenset({RESPONSES})),
     # sampling, handed to the engine's sampler
-    "temperature": BodyField(NUMBER, sampling=True, low=0, high=2),
-    "top_p": BodyField(NUMBER, sampling=True, low=0, high=1, low_open=True),
-    "top_k": BodyField((int,), sampling=True),
-    "min_p": BodyField(NUMBER, sampling=True, low=0, high=1),
-    "seed": BodyField((int,), sampling=True),
+    "temperature": BodyField(NUMBER, SAMPLED, sampling=True, low=0, high=2),
+    "top_p": BodyField(NUMBER, SAMPLED, sampling=True, low=0, high=1, low_open=True),
+    "top_k": BodyField((int,), SAMPLED, sampling=True),
+    "min_p": BodyField(NUMBER, SAMPLED, sampling=True, low=0, high=1),
+    "seed": BodyField((int,), SAMPLED, sampling=True),
     "stop": BodyField((str, list), sampling=True),
     "stop_token_ids": BodyField((list,), sampling=True),
-    "presence_penalty": BodyField(NUMBER, sampling=True, low=-2, high=2),
-    "frequency_penalty": BodyField(NUMBER, sampling=True, low=-2, high=2),
-    "repetition_penalty": BodyField(NUMBER, sampling=True, low=0, low_open=True),
+    "presence_penalty": BodyField(NUMBER, SAMPLED, sampling=True, low=-2, high=2),
+    "frequency_penalty": BodyField(NUMBER, SAMPLED, sampling=True, low=-2, high=2),
+    "repetition_penalty": BodyField(NUMBER, SAMPLED, sampling=True, low=0, low_open=True),
     "min_tokens": BodyField((int,), sampling=True),
     "ignore_eos": BodyField((bool,), sampling=True),
     "include_stop_str_in_output": BodyField((bool,), sampling=True),
@@ -86,10 +89,10 @@ BODY_FIELDS: dict[str, BodyField] = {
     "mm_processor_kwargs": BodyField((dict,), frozenset({CHAT})),
     # lengths, output shape and the envelope
     "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
-    "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
+    "max_completion_tokens": BodyField((int,), CHAT_AND_COMPLETIONS | AUDIO),
     "max_output_tokens": BodyField((int,), frozenset({RESPONSES})),
     "thinking_token_budget": BodyField((int,)),
-    "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS),
+    "response_format": BodyField(OWN_CHECK, CHAT_AND_COMPLETIONS | AUDIO),
     "text": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its format is chat's response_format
     "n": BodyField((int,), CHAT_AND_COMPLETIONS),
     "structured_outputs": BodyField((dict,), CHAT_AND_COMPLETIONS),  # vLLM's: choice, regex, grammar or json
@@ -111,6 +114,11 @@ BODY_FIELDS: dict[str, BodyField] = {
     # embeddings only
     "encoding_format": BodyField((str,), frozenset({EMBEDDINGS})),
     "dimensions": BodyField((int,), frozenset({EMBEDDINGS})),
+    # transcriptions and translations: the sound, its language and the language of the text
+    "file_url": BodyField(OWN_CHECK, AUDIO),
+    "language": BodyField((str,), AUDIO),
+    "to_language": BodyField((str,), AUDIO),
+    "timestamp_granularities[]": BodyField((list,), frozenset({TRANSCRIPTIONS})),
     # classify only: vLLM's switch for the classifier's activation (false: the raw logits)
     "use_activation": BodyField((bool,), frozenset({CLASSIFY})),
     # scoring: pairs of texts (score) or a query against documents (rerank)
@@ -138,6 +146,8 @@ PROMPT_FIELDS = {
     SCORE: "text_2",
     RERANK: "documents",
     CLASSIFY: "input",
+    TRANSCRIPTIONS: "file_url",
+    TRANSLATIONS: "file_url",
 }
 # Chat request fields a responses request names otherwise (the names its errors and hints use).
 RESPONSES_NAMES = {

@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.request_fields import SAMPLING_FIELDS
 
-Endpoint = Literal["chat", "completions", "embeddings", "responses", "score", "rerank", "classify"]
+Endpoint = Literal[
+    "chat", "completions", "embeddings", "responses", "score", "rerank", "classify", "transcriptions", "translations"
+]
 
 ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
@@ -24,6 +26,8 @@ ENDPOINT_BY_URL: dict[str, Endpoint] = {
     "/v1/score": "score",
     "/v1/rerank": "rerank",
     "/v1/classify": "classify",
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
     # vLLM's own paths of the same endpoints, as its server and run_batch take them
     "/score": "score",
     "/rerank": "rerank",

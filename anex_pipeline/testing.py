@@ -45,6 +45,13 @@ class FakeEngine(Engine):
             tokens = sum(len(t.split()) for t in texts)
             body = embedding_response(self.model_name, vectors, tokens, req.body.get("encoding_format"))
             return RowOutcome(req.index, req.key, 200, body=body, usage={"prompt_tokens": tokens})
+        if req.endpoint in ("transcriptions", "translations"):  # the sound's size, in words
+            url = req.body["file_url"]
+            if not url.startswith("data:"):
+                return rejected(req, f"the engine was handed a media URL instead of data: {url}", "file_url")
+            text = f"a sound of {len(url.partition(',')[2])} base64 characters"
+            usage_part = {"usage": {"type": "duration", "seconds": 1}} if req.endpoint == "transcriptions" else {}
+            return RowOutcome(req.index, req.key, 200, body={"text": text, **usage_part}, usage={})
         if req.endpoint == "classify":  # two classes: the share of an input's letters that are vowels, and the rest
             given = req.body["input"]
             inputs = [given] if isinstance(given, str) or type(given[0]) is int else given

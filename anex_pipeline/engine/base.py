@@ -19,7 +19,7 @@ from anex_pipeline.engine import prefix_order
 from anex_pipeline.engine.adapters import row_adapter
 from anex_pipeline.engine.prefix_order import PrefixCache
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.request_fields import CAP_FIELDS, NON_SAMPLING_FIELDS, POOLING
+from anex_pipeline.request_fields import AUDIO, CAP_FIELDS, NON_SAMPLING_FIELDS, POOLING, fields_of
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, RowError, RowOutcome
 
 
@@ -172,11 +172,14 @@ def resolve_request(
         body = {**body, "structured_outputs": {"choice": list(labels)}, "logprobs": True}
     sampling = options.sampling_defaults()
     sampling.update({k: v for k, v in body.items() if k not in NON_SAMPLING_FIELDS})
+    if endpoint in AUDIO:  # a sound's request takes fewer sampling fields: the job's others do not apply
+        sampling = {k: v for k, v in sampling.items() if k in fields_of(endpoint)}
     cap_field = next((name for name in CAP_FIELDS if body.get(name) is not None), None)
     row_cap = body[cap_field] if cap_field is not None else None
     if cap_field is not None and row.respond is not None:
         cap_field = "max_output_tokens"  # the row's own name for it
-    response_format = body.get("response_format", options.response_format)
+    # a sound's response_format names the answer's shape (json, text, verbose_json), not a constraint
+    response_format = None if endpoint in AUDIO else body.get("response_format", options.response_format)
     if body.get("structured_outputs") is not None:  # the row's own constraint replaces the job's format
         response_format = None
     if response_format is not None and response_format.get("type") == "text":

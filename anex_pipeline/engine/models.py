@@ -78,6 +78,10 @@ _ENDPOINT_KIND = {
     "/v1/rerank": "scoring",
     "classify": "classifying",
     "/v1/classify": "classifying",
+    "transcriptions": "speech",
+    "translations": "speech",
+    "/v1/audio/transcriptions": "speech",
+    "/v1/audio/translations": "speech",
 }
 
 
@@ -223,8 +227,10 @@ def resolve_model(name: str | None, endpoint: str) -> tuple[str, str]:
     if kind is None:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {sorted(_ENDPOINT_KIND)}")
 
-    if name is None and kind in ("scoring", "classifying"):
-        wanted = "a cross-encoder" if kind == "scoring" else "a sequence-classification"
+    if name is None and kind in ("scoring", "classifying", "speech"):
+        wanted = {"scoring": "a cross-encoder", "classifying": "a sequence-classification"}.get(
+            kind, "a speech-to-text"
+        )
         message = f"a {endpoint} job needs {wanted} model and none is bundled; name one with --model"
         raise JobRejected([Problem(message, field="model", code=MISSING_PARAMETER)])
     if name is None:

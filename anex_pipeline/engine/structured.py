@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from anex_pipeline.errors import RowErrorType
-from anex_pipeline.request_fields import POOLING
+from anex_pipeline.request_fields import AUDIO, POOLING
 from anex_pipeline.spec import RowOutcome
 
 
@@ -54,7 +54,7 @@ def mark_completion(outcome: RowOutcome, response_format: dict[str, Any] | None,
     """Sets the outcome's flags: ``length`` for an answer cut at the cap, ``format_error`` for one
     that fails its response_format (a cut constrained answer is both, and marked ``length``). With
     several choices (``n``), one choice cut or failing flags the row."""
-    if outcome.body is None or outcome.error is not None or endpoint in POOLING:
+    if outcome.body is None or outcome.error is not None or endpoint in POOLING | AUDIO:
         return outcome
     choices = outcome.body["choices"]
     cut = any(choice.get("finish_reason") == "length" for choice in choices)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from anex_pipeline import responses
-from anex_pipeline.request_fields import POOLING
+from anex_pipeline.request_fields import AUDIO, POOLING
 from anex_pipeline.spec import error_kind
 
 FileFormat = str  # the name of a format in registry.FORMATS
@@ -70,7 +70,7 @@ def write_error(exc: OSError, path: Path) -> OSError:
 def finish_reason_of(endpoint: str, body: dict[str, Any] | None) -> str | None:
     """Why a completion body's answer ended (``stop``, ``length``, ``tool_calls``); None for an
     embedding, a score or a row without a body."""
-    if body is None or endpoint in POOLING:
+    if body is None or endpoint in POOLING | AUDIO:
         return None
     if endpoint == "responses":
         return responses.finish_reason(body)
@@ -80,7 +80,9 @@ def finish_reason_of(endpoint: str, body: dict[str, Any] | None) -> str | None:
 def text_of(endpoint: str, body: dict[str, Any]) -> str:
     """The answer text of a completion body, or the whole body as JSON when it has no text."""
     choice = (body.get("choices") or [{}])[0]
-    if endpoint == "responses":
+    if endpoint in AUDIO:
+        text = body.get("text")
+    elif endpoint == "responses":
         text = responses.output_text(body)
     else:
         text = choice.get("text") if endpoint == "completions" else (choice.get("message") or {}).get("content")

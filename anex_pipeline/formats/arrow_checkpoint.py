@@ -52,11 +52,14 @@ LOGPROBS_FIELD = pa.field(
 
 
 def value_field(endpoint: Endpoint) -> pa.Field:
-    """The result column a Parquet job adds: the answer text, the embedding, or a classify row's label."""
+    """The result column a Parquet job adds: the answer text (a sound's as ``text``), the embedding,
+    or a classify row's label."""
     if endpoint == "embeddings":
         return pa.field("embedding", pa.list_(pa.float32()))
     if endpoint == "classify":
         return pa.field("label", pa.string())
+    if endpoint in ("transcriptions", "translations"):
+        return pa.field("text", pa.string())
     return pa.field("output", pa.string())
 
 

@@ -14,7 +14,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from anex_pipeline.request_fields import POOLING
+from anex_pipeline.request_fields import AUDIO, POOLING
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     ENDPOINT_BY_URL,
@@ -182,7 +182,7 @@ def read_chunks(
     traits = EngineTraits(
         _shortening(options.model) if endpoint == "embeddings" else None, priority, bool(options.labels)
     )
-    budget = TokenBudget(options) if endpoint not in POOLING else None
+    budget = TokenBudget(options) if endpoint not in POOLING | AUDIO else None
     own_urls = {url for url, kind in ENDPOINT_BY_URL.items() if kind == endpoint}
     with path.open("rb") as f:
         head = f.read(4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -129,9 +130,16 @@ class Staging:
                     lo, hi = max(start, first), min(stop, first + batch.num_rows)
                     if lo < hi:
                         values = batch.column("value").slice(lo - first, hi - lo).to_pylist()
-                        found[w] += [(v if isinstance(v, str) else json.dumps(v))[:size] for v in values]
+                        found[w] += [_head(v, size) for v in values]
                 first += batch.num_rows
         return found
+
+
+def _head(value: Any, size: int) -> str:
+    """The first ``size`` characters of a staged prompt: text, structured (as JSON) or bytes (as hex)."""
+    if isinstance(value, bytes):
+        return value[: size // 2].hex()
+    return (value if isinstance(value, str) else json.dumps(value))[:size]
 
 
 def write_results(

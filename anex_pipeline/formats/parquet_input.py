@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 from anex_pipeline.errors import RejectedError
 from anex_pipeline.formats import arrow_checkpoint
 from anex_pipeline.formats.images import image_part
-from anex_pipeline.request_fields import POOLING, SCORING
+from anex_pipeline.formats.sounds import sound_url
+from anex_pipeline.request_fields import AUDIO, POOLING, SCORING
 from anex_pipeline.spec import (
     DUPLICATE_ID,
     INVALID_VALUE,
@@ -52,6 +53,8 @@ PROMPT_COLUMNS: dict[Endpoint, tuple[str, ...]] = {
     "embeddings": ("input", "text"),
     "responses": ("input", "prompt"),
     "classify": ("input", "text"),
+    "transcriptions": ("file_url", "audio"),  # a sound's URL or bytes
+    "translations": ("file_url", "audio"),
 }
 
 
@@ -232,7 +235,7 @@ def read_chunks(
     has_id = "id" in pf.schema_arrow.names
     columns = list(dict.fromkeys([column] + (["id"] if has_id else []) + [options.image_column or column]))
     index = 0
-    budget = TokenBudget(options) if endpoint not in POOLING else None
+    budget = TokenBudget(options) if endpoint not in POOLING | AUDIO else None
     try:
         seen: dict[str, int] | None = None if not has_id or _ids_unique(pf) else {}
         for batch in made_ahead(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
@@ -267,6 +270,8 @@ def _ids_unique(pf: pq.ParquetFile) -> bool:
 
 def _plain_and_sound(values: pa.Array, endpoint: Endpoint) -> bool:
     """True when every prompt is non-null text that passes its checks as it is."""
+    if endpoint in AUDIO:  # each URL is checked on its own
+        return False
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)) or values.null_count:
         return False
     if endpoint == "embeddings":
@@ -304,8 +309,10 @@ def _checked_rows(
                 seen[key] = number
         try:
             body = request_body(prompt, endpoint, options, picture)
-        except ValueError as exc:  # image bytes of no image type, or a URL that can never be used
-            problems.append(Problem(str(exc), number, options.image_column, INVALID_VALUE))
+        except ValueError as exc:  # image or sound bytes of no known type, or a URL that can never be used
+            problems.append(
+                Problem(str(exc), number, column if endpoint in AUDIO else options.image_column, INVALID_VALUE)
+            )
         else:
             found = _problems(prompt, body, column, endpoint, model_names)
             problems += [Problem(p.message.replace("body.", ""), number, column, p.code) for p in found]
@@ -333,6 +340,8 @@ def request_body(
     for as a JSONL row asks for them. Raises ValueError for image bytes of no known image type."""
     if endpoint in ("embeddings", "classify"):
         return {"input": value}
+    if endpoint in AUDIO:
+        return {"file_url": sound_url(value) if isinstance(value, (str, bytes)) else value}
     if endpoint == "completions":
         return {"prompt": value, **_logprobs_fields(endpoint, options)}
     if endpoint == "responses":

@@ -64,9 +64,12 @@ def attach_media(
 
 def _with_values(body: dict[str, Any], values: dict[MediaRef, Any]) -> dict[str, Any]:
     """A copy of the body with each reference's part given its new value (the input is not changed)."""
+    fields = {ref.type: value for ref, value in values.items() if ref.message < 0 and value is not None}
+    if "messages" not in body:
+        return {**body, **fields}
     messages = list(body["messages"])
     for ref, value in values.items():
-        if value is None:
+        if value is None or ref.message < 0:
             continue
         message = dict(messages[ref.message])
         content = list(message["content"])
@@ -79,4 +82,4 @@ def _with_values(body: dict[str, Any], values: dict[MediaRef, Any]) -> dict[str,
         content[ref.part] = part
         message["content"] = content
         messages[ref.message] = message
-    return {**body, "messages": messages}
+    return {**body, **fields, "messages": messages}

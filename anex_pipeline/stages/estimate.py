@@ -23,7 +23,7 @@ from anex_pipeline.engine.rows import run_checked
 from anex_pipeline.errors import RowErrorType
 from anex_pipeline.formats.jsonl_checkpoint import append_outcomes
 from anex_pipeline.media.attach import attach_media
-from anex_pipeline.request_fields import POOLING
+from anex_pipeline.request_fields import AUDIO, POOLING
 from anex_pipeline.spec import EstimateReport, InputRow
 from anex_pipeline.stages.estimate_length_bound import upper_bound
 from anex_pipeline.stopping import StopCheck
@@ -64,6 +64,8 @@ def estimate_without_sample(job: JobDir) -> EstimateReport | None:
     options = manifest.job_options()
     if manifest.endpoint in POOLING:
         report = EstimateReport(method=f"not needed: {manifest.endpoint} rows have no output length")
+    elif manifest.endpoint in AUDIO:  # vLLM caps a sound's text at the model's context, as its server does
+        report = EstimateReport(method=f"not needed: {manifest.endpoint} rows are capped by the model's context")
     elif options.max_tokens is not None and not _needs_budget(manifest):
         report = EstimateReport(method="set by user")
     elif options.max_tokens is None and all(_sets_own_cap(row) for row in _rows(job)):

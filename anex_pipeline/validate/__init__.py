@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from anex_pipeline.request_fields import NUMBER, fields_of, unknown_field
+from anex_pipeline.request_fields import AUDIO, NUMBER, fields_of, unknown_field
 from anex_pipeline.responses import EFFORTS
 from anex_pipeline.spec import INVALID_TYPE, UNKNOWN_PARAMETER, Endpoint
 from anex_pipeline.validate.answers import (
@@ -28,6 +28,7 @@ from anex_pipeline.validate.answers import (
 )
 from anex_pipeline.validate.inputs import (
     MAX_PROMPTS,
+    check_audio_request,
     check_continuation,
     check_embedding_request,
     check_messages,
@@ -98,9 +99,11 @@ def check_body(
         problems += check_rerank_request(body)
     elif endpoint == "classify":
         problems += check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "classify")
+    elif endpoint in AUDIO:
+        problems += check_audio_request(body)
     else:
         problems += check_embedding_request(body, model_names, traits.shortening)
-    if "response_format" in body and endpoint != "embeddings":
+    if "response_format" in body and endpoint not in ("embeddings", *AUDIO):
         problems += check_response_format(body["response_format"], "body.response_format")
     if body.get("stream"):
         problems.append(FieldProblem("body.stream", "streaming is not available in a batch job; remove it"))

@@ -192,6 +192,39 @@ def check_embedding_request(
     return problems
 
 
+# The answer shapes of a transcription or translation row that vLLM's server gives (its srt, vtt
+# and diarized_json are refused by the server, or need a model Whisper is not).
+AUDIO_FORMATS = ("json", "text", "verbose_json")
+TIMESTAMP_GRANULARITIES = ("segment", "word")
+
+
+def check_audio_request(body: dict[str, Any]) -> list[FieldProblem]:
+    """A transcription or translation row: its sound by ``file_url`` (an http(s) URL the media
+    stage fetches, or a ``data:`` URL), and the shapes of its own fields."""
+    problems = []
+    url = body.get("file_url")
+    if "file" in body:
+        message = "is not taken in a batch: give the sound as file_url, an http(s) URL or a base64 data: URL"
+        problems.append(FieldProblem("body.file", message))
+    elif not isinstance(url, str) or not url:
+        message = f"must be the sound's http(s) URL or a base64 data: URL, got {kind_of(url)}"
+        problems.append(wrong_kind("body.file_url", url, message))
+    elif (why := reference_problem(url)) is not None:
+        problems.append(FieldProblem("body.file_url", why))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt not in AUDIO_FORMATS:
+        message = f"must be one of {', '.join(AUDIO_FORMATS)}; got {json.dumps(fmt)}"
+        problems.append(FieldProblem("body.response_format", message))
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        problems.append(wrong_kind("body.prompt", prompt, f"must be a string, got {kind_of(prompt)}"))
+    granularities = body.get("timestamp_granularities[]")
+    if isinstance(granularities, list) and any(g not in TIMESTAMP_GRANULARITIES for g in granularities):
+        message = f"must list some of {', '.join(TIMESTAMP_GRANULARITIES)}"
+        problems.append(FieldProblem("body.timestamp_granularities[]", message))
+    return problems
+
+
 def check_score_request(body: dict[str, Any]) -> list[FieldProblem]:
     """A score row's two sides (``text_1`` and ``text_2``, or one of vLLM's other spellings),
     paired as vLLM pairs them: one to one, one to each of N, or N to N in order."""

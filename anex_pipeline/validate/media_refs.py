@@ -16,6 +16,9 @@ MEDIA_PARTS = {
 }
 
 
+# Request body fields that hold media by URL -> the kind of media (a transcription row's sound).
+MEDIA_FIELDS = {"file_url": "audio"}
+
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 INLINE_SCHEME = "data:"  # media carried in the request itself
 FETCHED_SCHEMES = ("http", "https")  # the only URLs the media stage downloads
@@ -50,18 +53,18 @@ def reference_problem(url: str) -> str | None:
 class MediaRef:
     """One content part that holds media: where it is in the messages, and its URL."""
 
-    message: int
+    message: int  # -1 for a body field's media (MEDIA_FIELDS)
     part: int
-    type: str  # the content part type, a key of MEDIA_PARTS
+    type: str  # the content part type, a key of MEDIA_PARTS, or the body field, a key of MEDIA_FIELDS
     url: str
 
     @property
     def kind(self) -> str:
-        return MEDIA_PARTS[self.type][1]
+        return MEDIA_FIELDS[self.type] if self.type in MEDIA_FIELDS else MEDIA_PARTS[self.type][1]
 
     @property
     def param(self) -> str:
-        return f"messages[{self.message}].content[{self.part}]"
+        return self.type if self.type in MEDIA_FIELDS else f"messages[{self.message}].content[{self.part}]"
 
     @property
     def remote(self) -> bool:
@@ -70,8 +73,8 @@ class MediaRef:
 
 
 def media_references(body: dict[str, Any]) -> list[MediaRef]:
-    """Every media reference in a chat body's content parts."""
-    refs = []
+    """Every media reference in a chat body's content parts, and a transcription body's file_url."""
+    refs = [MediaRef(-1, -1, name, body[name]) for name in MEDIA_FIELDS if isinstance(body.get(name), str)]
     for m, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):

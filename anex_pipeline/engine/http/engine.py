@@ -20,6 +20,7 @@ prefix order, its rendering by the server) and answer; the replicas' bookkeeping
 
 from __future__ import annotations
 
+import base64
 import heapq
 import itertools
 import json
@@ -41,7 +42,7 @@ from anex_pipeline.engine.http.replicas import Server, ServerPool, ServersDown, 
 from anex_pipeline.engine.prefix_order import STOP_CHECK_ROWS, PrefixCache, shared_bytes
 from anex_pipeline.errors import AnexError, RowErrorType
 from anex_pipeline.net.retry import retryable_status
-from anex_pipeline.request_fields import CLASSIFY, PROMPT_FIELDS, SCORING
+from anex_pipeline.request_fields import AUDIO, CLASSIFY, PROMPT_FIELDS, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowError, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ ENDPOINT_PATHS = {
     "score": "/score",
     "rerank": "/rerank",
     "classify": "/classify",  # vLLM serves it at that path only
+    "transcriptions": "/v1/audio/transcriptions",  # a form with the sound as a file
+    "translations": "/v1/audio/translations",
 }
 # An error type that is already an OpenAI-style failure class ("invalid_request_error"), as
 # opposed to an exception name such as vLLM's "BadRequestError".
@@ -380,7 +383,10 @@ class OpenAIHttpEngine(Engine):
         """One request for the row: the server's success answer, or the try's outcome otherwise."""
         try:
             path, headers = ENDPOINT_PATHS[endpoint], {"X-Request-Id": req.request_id + id_suffix}
-            response = server.client.post(path, json=body, headers=headers)
+            if endpoint in AUDIO:
+                response = server.client.post(path, **speech_form(body), headers=headers)
+            else:
+                response = server.client.post(path, json=body, headers=headers)
         except httpx.TransportError as exc:
             lost = RowOutcome(req.index, req.key, None, server=server.root)
             return _Tried(lost, retry="no answer", reason=repr(exc))
@@ -407,6 +413,21 @@ def _next_row(waiting: list[tuple[float, int, _Row]], source: Iterator[EngineReq
     return None if req is None else _Row(req)
 
 
+def speech_form(body: dict[str, Any]) -> dict[str, Any]:
+    """A transcription or translation row as vLLM's server takes it: a form whose file is the sound
+    (the media stage made file_url a data: URL) and whose other fields are the row's, lists as
+    repeated fields and anything else as text."""
+    header, _, payload = body["file_url"].partition(",")
+    mime = header.removeprefix("data:").split(";")[0] or "application/octet-stream"
+    fields: list[tuple[str, str]] = []
+    for name, value in body.items():
+        if name == "file_url" or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            fields.append((name, json.dumps(item) if isinstance(item, (bool, dict)) else str(item)))
+    return {"files": {"file": ("audio", base64.b64decode(payload), mime)}, "data": fields}
+
+
 def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
     """The row's body with the job's resolved values in force, as the server takes it (a row on
     a LoRA adapter names the adapter, which a server started with ``--lora-modules`` serves)."""
@@ -418,6 +439,8 @@ def request_body(req: EngineRequest, model: str) -> dict[str, Any]:
         return body
     if req.endpoint in SCORING or req.endpoint == CLASSIFY:  # nothing is sampled: the texts go as they are
         return body
+    if req.endpoint in AUDIO:  # the row's fields as they are, the job's sampling defaults under them
+        return {**req.sampling, **body}
     body.update(req.sampling)
     body.pop("max_completion_tokens", None)
     body.pop("max_tokens", None)

@@ -12,6 +12,7 @@ sequence classifier (``LLM.classify``).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -34,9 +35,10 @@ from anex_pipeline.engine.vllm import cpu_environment
 from anex_pipeline.engine.vllm.outputs import OutputShaper
 from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
 from anex_pipeline.engine.vllm.sampling import Sampler, reasoning_kwargs
+from anex_pipeline.engine.vllm.speech import SpeechRows
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.engine.vllm.watchdog import EngineWatch
-from anex_pipeline.request_fields import CLASSIFY, SCORING
+from anex_pipeline.request_fields import AUDIO, CLASSIFY, SCORING
 from anex_pipeline.spec import CONTEXT_LENGTH_EXCEEDED, RowOutcome
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class VllmLocalEngine(Engine):
         )
         self.outputs = OutputShaper(self.tokenizer, self.model_name, parser, thinking)
         self.adapters = AdapterRequests(json.loads(settings.lora_modules))
+        self.speech = SpeechRows(self.llm, self.model_name)
         self.stepper = Stepper(
             self.llm, self.prompts, self.sampler, self.outputs, self.watch, self.lanes, self.adapters
         )
@@ -119,7 +122,7 @@ class VllmLocalEngine(Engine):
             # vLLM waits 5 s for its engine process to leave after SIGTERM, which it never does
             # in time on the CPU build, and then kills it anyway; nothing is left to save by then.
             engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
-        del self.llm, self.prompts, self.stepper  # every part that holds the LLM
+        del self.llm, self.prompts, self.stepper, self.speech  # every part that holds the LLM
         gc.collect()
 
     def let_go(self) -> None:
@@ -145,10 +148,21 @@ class VllmLocalEngine(Engine):
         flight are aborted. Streams running at once in several threads share the engine
         (:mod:`anex_pipeline.engine.sharing`): their rows are batched together."""
         source = iter(requests)
+        first = next(source, None)
+        if first is None:
+            return
+        source = itertools.chain([first], source)
         if self.settings.runner == "pooling":
             yield from in_groups(self._pool, source, group_rows, stop)
+        elif first.endpoint in AUDIO:  # one endpoint per job: the job's rows are all sounds
+            yield from in_groups(self._speech, source, group_rows, stop)
         else:
             yield from self.stepper.stream(source, stop)
+
+    def _speech(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
+        """A group of transcription or translation rows, their sounds' pieces all in the engine at once."""
+        with self.watch.call(self.llm), self.lanes.lock:
+            return self.speech.run(list(requests))
 
     def _pool(self, requests: Sequence[EngineRequest]) -> list[RowOutcome]:
         """A group of rows of a pooling model: embedded, or scored as pairs (one endpoint per job,
