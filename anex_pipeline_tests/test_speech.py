@@ -140,6 +140,6 @@ def test_the_http_engine_posts_the_sound_as_a_form_file() -> None:
     form = speech_form(body)
     _, data, mime = form["files"]["file"]
     assert data == SOUND and mime == "audio/wav"
-    assert ("language", "en") in form["data"] and ("timestamp_granularities[]", "segment") in form["data"]
-    assert all(key != "file_url" for key, _ in form["data"])
+    assert form["data"]["language"] == "en" and form["data"]["timestamp_granularities[]"] == ["segment"]
+    assert "file_url" not in form["data"]
     assert ENDPOINT_PATHS["translations"] == "/v1/audio/translations"

@@ -23,7 +23,7 @@ from anex_pipeline.engine.engine_args import canonical, vllm_version
 from anex_pipeline.engine.modes import EngineMode, core_in_process, engine_kind, engine_mode
 from anex_pipeline.engine.orphans import guard_descendants
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
-from anex_pipeline.request_fields import POOLING
+from anex_pipeline.request_fields import AUDIO, POOLING
 from anex_pipeline.workdir.manifest import JobManifest
 
 __all__ = [
@@ -145,8 +145,9 @@ def vllm_settings(config: EngineConfig, manifest: JobManifest) -> EngineSettings
         model_name=manifest.model_name,
         runner="pooling" if pooling else "generate",
         dtype=config.dtype,
-        # Embedding models and cross-encoders have short fixed contexts (256 for MiniLM): use the model's own.
-        max_model_len=None if pooling else config.max_model_len,
+        # Embedding models, cross-encoders and speech models have short fixed contexts (256 for
+        # MiniLM, Whisper's decoder 448): use the model's own.
+        max_model_len=None if pooling or manifest.endpoint in AUDIO else config.max_model_len,
         memory_share=config.memory_share,
         kv_cache_gib=config.kv_cache_gib,
         engine_args=canonical(config.engine_args),

@@ -316,3 +316,87 @@ def build_tiny_classifier(folder: Path, *, labels: tuple[str, ...] | None = CLAS
     )
     save_random(BertForSequenceClassification, config, folder, seed=seed)
     return folder
+
+
+# Lines the tiny Whisper's tokenizer is trained on (its text is noise whatever they say).
+WHISPER_LINES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, this is a test of the transcription system.",
+    "The weather in London is cloudy with a chance of rain today.",
+    "One two three four five six seven eight nine ten.",
+)
+WHISPER_CONTEXT = 448  # Whisper's decoder context (max_target_positions): vLLM caps every answer by it
+
+
+def build_tiny_whisper(folder: Path, *, seed: int = 0) -> Path:
+    """A random Whisper (2 encoder and 2 decoder layers, d_model 128 in heads of 64, 80 mel bins)
+    with Whisper's real feature extractor and a byte-level BPE tokenizer trained here that carries
+    Whisper's special tokens: the start of a transcript, every language of transformers' list, the
+    task and timestamp switches, then the 1,501 timestamps <|0.00|> to <|30.00|> (highest ids, in
+    order, as vLLM's segmenting of verbose answers needs). The encoder keeps Whisper's 1,500
+    positions: the feature extractor pads every sound to 30 s (3,000 frames), halved by the
+    encoder's strided convolution."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    core.train_from_iterator(WHISPER_LINES, trainer=trainer)
+    trained = json.loads(core.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    specials = [
+        "<|startoftranscript|>",
+        *(f"<|{code}|>" for code in LANGUAGES),
+        "<|translate|>",
+        "<|transcribe|>",
+        "<|startoflm|>",
+        "<|startofprev|>",
+        "<|nocaptions|>",
+        "<|notimestamps|>",
+    ]
+    tokenizer = WhisperTokenizer(vocab=trained["vocab"], merges=merges, additional_special_tokens=specials)
+    tokenizer.add_tokens([f"<|{i * 0.02:.2f}|>" for i in range(1501)])
+    tokenizer.model_max_length = WHISPER_CONTEXT
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    start = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    config = WhisperConfig(
+        vocab_size=(len(tokenizer) + 63) // 64 * 64,
+        num_mel_bins=80,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=HIDDEN // HEAD_DIM,
+        decoder_attention_heads=HIDDEN // HEAD_DIM,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        d_model=HIDDEN,
+        max_source_positions=1500,
+        max_target_positions=WHISPER_CONTEXT,
+        decoder_start_token_id=start,
+        eos_token_id=end,
+        bos_token_id=end,
+        pad_token_id=end,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        init_std=0.5,  # a wider spread than Whisper's, so that different sounds get different texts
+    )
+    save_random(WhisperForConditionalGeneration, config, folder, seed=seed)
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        decoder_start_token_id=start, eos_token_id=end, pad_token_id=end, max_length=WHISPER_CONTEXT
+    ).save_pretrained(folder)
+    sounds = WhisperFeatureExtractor(feature_size=80, sampling_rate=AUDIO_RATE)
+    WhisperProcessor(feature_extractor=sounds, tokenizer=tokenizer).save_pretrained(folder)
+    return folder

@@ -419,12 +419,15 @@ def speech_form(body: dict[str, Any]) -> dict[str, Any]:
     repeated fields and anything else as text."""
     header, _, payload = body["file_url"].partition(",")
     mime = header.removeprefix("data:").split(";")[0] or "application/octet-stream"
-    fields: list[tuple[str, str]] = []
-    for name, value in body.items():
-        if name == "file_url" or value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            fields.append((name, json.dumps(item) if isinstance(item, (bool, dict)) else str(item)))
+
+    def text(item: Any) -> str:
+        return json.dumps(item) if isinstance(item, (bool, dict)) else str(item)
+
+    fields = {
+        name: [text(item) for item in value] if isinstance(value, list) else text(value)
+        for name, value in body.items()
+        if name != "file_url" and value is not None
+    }
     return {"files": {"file": ("audio", base64.b64decode(payload), mime)}, "data": fields}
 
 
