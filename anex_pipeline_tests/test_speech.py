@@ -143,3 +143,28 @@ def test_the_http_engine_posts_the_sound_as_a_form_file() -> None:
     assert form["data"]["language"] == "en" and form["data"]["timestamp_granularities[]"] == ["segment"]
     assert "file_url" not in form["data"]
     assert ENDPOINT_PATHS["translations"] == "/v1/audio/translations"
+
+
+def test_inline_media_larger_than_max_bytes_fail_their_row_before_decoding(
+    tmp_path: Path, fake_runner: JobRunner, model: str
+) -> None:
+    """media.max_bytes bounds a data: URL as it bounds a download: a sound, or an image part."""
+    small = "data:audio/wav;base64," + base64.b64encode(SOUND[:800]).decode()
+    rows = [sound_row("big", "transcriptions", DATA_URL), sound_row("small", "transcriptions", small)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    report = fake_runner.run(
+        fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {"model": model, "media": {"max_bytes": 4000}})
+    )
+    got = answers(tmp_path / "out.jsonl")
+    assert report.request_counts.completed == 1 and got["small"]["error"] is None
+    big = got["big"]
+    assert big["error"]["type"] == "media_fetch_error" and big["error"]["param"] == "file_url"
+    assert big["response"]["status_code"] == 413 and "more than media.max_bytes=4000" in big["error"]["message"]
+    assert len(big["error"]["message"]) < 200  # the data itself is not repeated in the message
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 8000}}
+    chat = [{"custom_id": "img", "body": {"messages": [{"role": "user", "content": [image]}]}}]
+    src = write_jsonl(tmp_path / "chat.jsonl", chat)
+    fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "chat.out.jsonl"), {"media": {"max_bytes": 4000}}))
+    [line] = answers(tmp_path / "chat.out.jsonl").values()
+    assert line["error"]["param"] == "messages[0].content[0]" and line["response"]["status_code"] == 413

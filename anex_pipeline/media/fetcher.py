@@ -187,10 +187,21 @@ class MediaFetcher:
             raise MediaFetchError(ref.url, f"it is {cached.mime}, not the {ref.kind} its {ref.type} part needs")
         return cached
 
+    def check_inline(self, ref: MediaRef) -> None:
+        """Raises MediaFetchError for inline ``data:`` media larger than ``media.max_bytes``, the
+        cap downloads have too; measured from the base64 text's length, before anything decodes it."""
+        header, _, payload = ref.url.partition(",")
+        size = len(payload) * 3 // 4 if header.endswith(";base64") else len(payload)
+        limit = self.options.max_bytes
+        if size > limit:
+            label = f"{header[:60]},..." if len(header) < 60 else f"{header[:60]}..."
+            raise MediaFetchError(label, f"it is about {size} bytes, more than media.max_bytes={limit}", status=413)
+
     def inline_value(self, ref: MediaRef) -> Any:
         """What replaces the reference in its part: a data: URL, or input_audio's data and format;
         None when the reference is already inline and needs no change."""
         if not ref.remote:
+            self.check_inline(ref)
             header, _, payload = ref.url.partition(",")
             if ref.type != "input_audio" or not header.endswith(";base64"):
                 return None

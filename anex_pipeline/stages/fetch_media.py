@@ -32,11 +32,13 @@ from anex_pipeline.workdir.manifest import JobDir
 
 def _first_failure(fetcher: MediaFetcher, row: InputRow, refs: Sequence[MediaRef]) -> RowOutcome | None:
     for ref in refs:
-        if ref.remote:
-            try:
+        try:
+            if ref.remote:
                 fetcher.checked(ref)
-            except MediaFetchError as exc:
-                return media_failure(row, ref, exc)
+            else:
+                fetcher.check_inline(ref)
+        except MediaFetchError as exc:
+            return media_failure(row, ref, exc)
     return None
 
 
