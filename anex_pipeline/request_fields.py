@@ -58,7 +58,7 @@ class BodyField:
 BODY_FIELDS: dict[str, BodyField] = {
     # what the row asks
     "model": BodyField(OWN_CHECK, ALL),
-    "messages": BodyField(OWN_CHECK, frozenset({CHAT})),
+    "messages": BodyField(OWN_CHECK, frozenset({CHAT, EMBEDDINGS})),  # embeddings: one conversation, as vLLM takes it
     "prompt": BodyField(OWN_CHECK, frozenset({COMPLETIONS, *AUDIO})),  # a sound's: text the model continues from
     "input": BodyField(OWN_CHECK, frozenset({EMBEDDINGS, RESPONSES, CLASSIFY})),
     "instructions": BodyField((str,), frozenset({RESPONSES})),
@@ -84,8 +84,8 @@ BODY_FIELDS: dict[str, BodyField] = {
     # vLLM's extras that act before sampling: the prompt's tokens, the template, the scheduler
     "truncate_prompt_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
     "priority": BodyField((int,), CHAT_AND_COMPLETIONS),
-    "add_generation_prompt": BodyField((bool,), frozenset({CHAT})),
-    "continue_final_message": BodyField((bool,), frozenset({CHAT})),
+    "add_generation_prompt": BodyField((bool,), frozenset({CHAT, EMBEDDINGS})),
+    "continue_final_message": BodyField((bool,), frozenset({CHAT, EMBEDDINGS})),
     "mm_processor_kwargs": BodyField((dict,), frozenset({CHAT})),
     # lengths, output shape and the envelope
     "max_tokens": BodyField((int,), CHAT_AND_COMPLETIONS),
@@ -108,7 +108,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "tools": BodyField((list,), frozenset({CHAT})),
     "tool_choice": BodyField((str, dict), frozenset({CHAT})),
     "parallel_tool_calls": BodyField((bool,), frozenset({CHAT})),
-    "chat_template_kwargs": BodyField(OWN_CHECK, frozenset({CHAT})),
+    "chat_template_kwargs": BodyField(OWN_CHECK, frozenset({CHAT, EMBEDDINGS})),
     "reasoning_effort": BodyField((str,), frozenset({CHAT})),
     "reasoning": BodyField(OWN_CHECK, frozenset({RESPONSES})),  # its effort maps onto thinking
     # embeddings only

@@ -38,7 +38,7 @@ class FakeEngine(Engine):
     def _one(self, req: EngineRequest) -> RowOutcome:
         self.seen.append(req.key)
         if req.endpoint == "embeddings":
-            given = req.body["input"]
+            given = req.body.get("input") or json.dumps(req.body.get("messages"))
             inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
             texts = [t if isinstance(t, str) else " ".join(map(str, t)) for t in inputs]
             vectors = [unit_vector([float(len(t)), float(sum(map(ord, t)) % 97), 1.0]) for t in texts]

@@ -141,6 +141,15 @@ def matryoshka_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_matryoshka_embedding_model(tmp_path_factory.mktemp("models") / "minilm-matryoshka")
 
 
+def talk_ids(model: Path, text: str) -> list[int]:
+    """The token ids of one user message rendered with the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
 def test_dimensions_shorten_the_vector_on_a_matryoshka_model(
     tmp_path: Path, real_runner: JobRunner, matryoshka_model: Path
 ) -> None:
@@ -148,12 +157,19 @@ def test_dimensions_shorten_the_vector_on_a_matryoshka_model(
     rows = [
         {"custom_id": "full", "url": "/v1/embeddings", "body": {"input": text}},
         {"custom_id": "short", "url": "/v1/embeddings", "body": {"input": [text, TEXTS["stocks"]], "dimensions": 128}},
+        # one conversation, as vLLM's /v1/embeddings takes it, and the same text as token ids
+        {"custom_id": "talk", "url": "/v1/embeddings", "body": {"messages": [{"role": "user", "content": text}]}},
+        {"custom_id": "talk-ids", "url": "/v1/embeddings", "body": {"input": talk_ids(matryoshka_model, text)}},
     ]
     options = {"model": str(matryoshka_model)}
     run_job(real_runner, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", options)
-    full, short = (
+    full, short, talk, talk_ids_answer = (
         CreateEmbeddingResponse.model_validate(line["response"]["body"]) for line in read_jsonl(tmp_path / "out.jsonl")
     )
+    # the messages were rendered with the model's template, no special tokens added: as its token ids
+    assert talk.usage.prompt_tokens == talk_ids_answer.usage.prompt_tokens
+    assert talk.data[0].embedding == pytest.approx(talk_ids_answer.data[0].embedding, abs=1e-5)
+    assert cosine(talk.data[0].embedding, full.data[0].embedding) < 0.999  # the template changed the text
 
     head = full.data[0].embedding[:128]
     for item in short.data:

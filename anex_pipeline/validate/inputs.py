@@ -166,11 +166,32 @@ def _check_input_part(part: Any, where: str) -> FieldProblem | None:
     return FieldProblem(f"{where}.type", f"must be one of {wanted}; got {json.dumps(kind)}")
 
 
+def _text_only(messages: Any) -> list[FieldProblem]:
+    """Messages to embed hold text alone: an embedding model reads no media."""
+    for n, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for p, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") not in CHAT_TEXT_PARTS:
+                where = f"body.messages[{n}].content[{p}].type"
+                return [FieldProblem(where, f"is {json.dumps(part.get('type'))}; messages to embed hold text only")]
+    return []
+
+
 def check_embedding_request(
     body: dict[str, Any], model_names: frozenset[str], shortening: tuple[bool, list[int] | None] | None
 ) -> list[FieldProblem]:
-    """An embeddings row's input, encoding_format, and dimensions against what its model can do."""
-    problems = check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "embed")
+    """An embeddings row's input (or, as vLLM's server takes it, one conversation as ``messages``,
+    text only), encoding_format, and dimensions against what its model can do."""
+    if "messages" in body:
+        problems = []
+        if "input" in body:
+            problems.append(FieldProblem("body.input", "cannot go with messages: give the text as one or the other"))
+        problems += check_messages(body["messages"])
+        problems += _text_only(body["messages"])
+        if body.get("continue_final_message") is True:
+            problems += check_continuation(body)
+    else:
+        problems = check_prompt_shape(body.get("input"), "body.input", MAX_PROMPTS, "embed")
     fmt = body.get("encoding_format")
     if isinstance(fmt, str) and fmt not in ENCODING_FORMATS:
         message = f"must be one of {', '.join(ENCODING_FORMATS)}; got {json.dumps(fmt)}"

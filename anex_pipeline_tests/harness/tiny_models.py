@@ -263,19 +263,31 @@ def write_config(folder: Path, **fields: object) -> Path:
 
 def build_matryoshka_embedding_model(dest: Path) -> Path:
     """The embedded all-MiniLM-L6-v2 declared a Matryoshka model (``matryoshka_dimensions`` in its
-    config, as such models declare it), its files linked, not copied: vLLM then shortens its
-    vectors to a row's ``dimensions``, which is all a test of that field needs to see."""
+    config, as such models declare it) and given a chat template (EMBEDDING_CHAT_TEMPLATE, so that
+    it embeds messages as vLLM's server does), its other files linked, not copied: vLLM then
+    shortens its vectors to a row's ``dimensions``, which is all a test of that field needs to see."""
     from anex_pipeline.engine.models import embedding_model_dir
 
     source = embedding_model_dir()
     dest.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
-        if item.name != "config.json":
+        if item.name not in ("config.json", "tokenizer_config.json"):
             (dest / item.name).symlink_to(item)
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     config["matryoshka_dimensions"] = [128, 256, 384]
     (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    tokenizer = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tokenizer["chat_template"] = EMBEDDING_CHAT_TEMPLATE
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     return dest
+
+
+# A BERT-style chat template: the conversation between the model's own [CLS] and [SEP], a role
+# before each message, and a marker for the answer when a generation prompt is asked for.
+EMBEDDING_CHAT_TEMPLATE = (
+    "[CLS] {% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}[SEP]"
+)
 
 
 def build_tiny_cross_encoder(folder: Path, *, seed: int = 0) -> Path:

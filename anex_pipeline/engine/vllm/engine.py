@@ -194,12 +194,15 @@ class VllmLocalEngine(Engine):
     def _embedding_inputs(self, req: EngineRequest) -> list[list[int]]:
         """The token ids of each of a row's inputs (token-id inputs as given), each within the
         model's context."""
-        given = req.body["input"]
-        inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
-        ids = [list(self.tokenizer.encode(item)) if isinstance(item, str) else item for item in inputs]
+        if "messages" in req.body:  # one conversation, rendered as vLLM's server renders it
+            ids = [self.prompts.conversation_ids(req)]
+        else:
+            given = req.body["input"]
+            inputs = [given] if isinstance(given, str) or type(given[0]) is int else given
+            ids = [list(self.tokenizer.encode(item)) if isinstance(item, str) else item for item in inputs]
         for n, one in enumerate(ids):
             if len(one) > self.max_model_len:
-                where = "input" if len(ids) == 1 else f"input[{n}]"
+                where = "messages" if "messages" in req.body else "input" if len(ids) == 1 else f"input[{n}]"
                 problem = f"{where} has {len(one)} tokens but the model takes at most {self.max_model_len}"
                 raise RequestProblem(problem, where, CONTEXT_LENGTH_EXCEEDED)
         return ids

@@ -120,6 +120,29 @@ class PromptRenderer:
         prompt = one_prompt(req.body["prompt"])
         return list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
 
+    def conversation_ids(self, req: EngineRequest) -> list[int]:
+        """The tokens of an embeddings row's ``messages``, as vLLM's server renders them for an
+        embedding: the model's chat template with no generation prompt unless the row asks for
+        one, and no special tokens but the template's own."""
+        continues = req.body.get("continue_final_message") is True
+        messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestProblem(
+                f"model '{self.model_name}' has no chat template, so it cannot embed messages; give the text as input",
+                "messages",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.body.get("add_generation_prompt", False),
+                continue_final_message=continues,
+                **req.chat_template_kwargs,
+            )
+        except Exception as exc:  # the template itself refused the conversation
+            raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def _has_media(self, messages: list[dict[str, Any]]) -> bool:
         """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
         the model cannot read or a sound it cannot decode, as vLLM's own refusal would not name
