@@ -67,6 +67,8 @@ class MediaOptions(_Strict):
     timeout_s: float = Field(default=30.0, gt=0)
     per_host_connections: int = Field(default=4, ge=1, le=64)
     max_retries: int = Field(default=4, ge=0, le=20)
+    # the longest sound a row may carry, as vLLM decodes at most (VLLM_MAX_AUDIO_DECODE_DURATION_S)
+    max_audio_seconds: float = Field(default=600.0, gt=0)
 
 
 class Prices(_Strict):

@@ -168,3 +168,26 @@ def test_inline_media_larger_than_max_bytes_fail_their_row_before_decoding(
     fake_runner.run(fake_runner.submit(str(src), str(tmp_path / "chat.out.jsonl"), {"media": {"max_bytes": 4000}}))
     [line] = answers(tmp_path / "chat.out.jsonl").values()
     assert line["error"]["param"] == "messages[0].content[0]" and line["response"]["status_code"] == 413
+
+
+def test_a_sound_longer_than_max_audio_seconds_fails_its_row(
+    tmp_path: Path, fake_runner: JobRunner, server: MediaServer, model: str
+) -> None:
+    long = "data:audio/wav;base64," + base64.b64encode(tone_wav(440, seconds=3.0)).decode()
+    rows = [
+        sound_row("long", "transcriptions", long),
+        sound_row("long-fetched", "transcriptions", server.url("/tone/440.wav")),  # 0.5 s: fits
+        sound_row("short", "transcriptions", DATA_URL),
+    ]
+    media = {"allowed_hosts": [f"127.0.0.1:{server.port}"], "max_audio_seconds": 2}
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    report = fake_runner.run(
+        fake_runner.submit(str(src), str(tmp_path / "out.jsonl"), {"model": model, "media": media})
+    )
+    got = answers(tmp_path / "out.jsonl")
+    assert report.request_counts.completed == 2
+    error = got["long"]["error"]
+    assert (
+        error["type"] == "media_fetch_error" and "3.0 s long, more than media.max_audio_seconds=2" in error["message"]
+    )
+    assert got["long"]["response"]["status_code"] == 413 and len(error["message"]) < 200

@@ -35,6 +35,17 @@ def sound_bytes(kind: str, value: Any) -> bytes:
         raise ValueError(f"the {kind} data is not valid base64") from None
 
 
+def sound_seconds(data: bytes) -> float | None:
+    """A sound's length in seconds, read from its header; None when soundfile cannot read it."""
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except (RuntimeError, ValueError, soundfile.SoundFileError):
+        return None
+    return info.frames / info.samplerate if info.samplerate else None
+
+
 def audio_problem(kind: str, value: Any, rate: int | None) -> str | None:
     """Why the sound of a part cannot be read, or None. ``rate`` is the only sampling rate
     accepted (None: any, the engine resamples)."""

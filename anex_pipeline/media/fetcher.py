@@ -37,6 +37,7 @@ import httpx
 
 from anex_pipeline import metrics
 from anex_pipeline.errors import AnexError
+from anex_pipeline.media.audio import sound_seconds
 from anex_pipeline.media.guard import (
     AddressRefused,
     GuardedBackend,
@@ -141,6 +142,7 @@ class MediaFetcher:
         self._lock = threading.Lock()
         self._results: dict[str, Future[Cached]] = {}
         self._encoded: dict[str, str] = {}
+        self._lengths: dict[str, float | None] = {}  # a sound's seconds by URL (None: not readable here)
         self._uncached: dict[str, bytes] = {}
         self._hosts: dict[tuple[str, str, int | None], threading.BoundedSemaphore] = {}
         # How long a claim holds when its process died mid-download: one URL's worst case.
@@ -197,16 +199,32 @@ class MediaFetcher:
             label = f"{header[:60]},..." if len(header) < 60 else f"{header[:60]}..."
             raise MediaFetchError(label, f"it is about {size} bytes, more than media.max_bytes={limit}", status=413)
 
+    def _check_length(self, ref: MediaRef, data: Callable[[], bytes]) -> None:
+        """Raises MediaFetchError for a sound longer than ``media.max_audio_seconds`` (read from
+        its header; a sound that cannot be read here is left to the model, which refuses it)."""
+        if ref.url not in self._lengths:
+            self._lengths[ref.url] = sound_seconds(data())
+        seconds, limit = self._lengths[ref.url], self.options.max_audio_seconds
+        if seconds is not None and seconds > limit:
+            label = ref.url if ref.remote else ref.url.partition(",")[0] + ",..."
+            raise MediaFetchError(
+                label, f"it is {seconds:.1f} s long, more than media.max_audio_seconds={limit:g}", status=413
+            )
+
     def inline_value(self, ref: MediaRef) -> Any:
         """What replaces the reference in its part: a data: URL, or input_audio's data and format;
         None when the reference is already inline and needs no change."""
         if not ref.remote:
             self.check_inline(ref)
+            if ref.kind == "audio":
+                self._check_length(ref, lambda: _inline_bytes(ref.url))
             header, _, payload = ref.url.partition(",")
             if ref.type != "input_audio" or not header.endswith(";base64"):
                 return None
             return {"data": payload, "format": _audio_format(header[5:].split(";")[0])}
         cached = self.checked(ref)
+        if ref.kind == "audio":
+            self._check_length(ref, lambda: self._read(ref.url))
         encoded = self._encoded.get(ref.url)
         if encoded is None:
             encoded = self._encoded[ref.url] = base64.b64encode(self._read(ref.url)).decode("ascii")
@@ -442,6 +460,17 @@ def _media_type(content_type: str | None, url: str) -> str | None:
     if mime in ("", "application/octet-stream", "binary/octet-stream"):
         mime = mimetypes.guess_type(urlsplit(url).path)[0] or ""
     return mime if mime.split("/")[0] in ("image", "audio", "video") else None
+
+
+def _inline_bytes(url: str) -> bytes:
+    """The bytes of a base64 ``data:`` URL (empty when it is not one)."""
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        return b""
+    try:
+        return base64.b64decode(payload)
+    except ValueError:
+        return b""
 
 
 def _audio_format(mime: str) -> str:
