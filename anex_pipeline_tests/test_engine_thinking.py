@@ -102,6 +102,7 @@ def test_the_budget_closes_the_trace_with_the_notice(
     for line in lines[:3]:
         msg = message(line)
         assert msg["reasoning_content"].endswith(f"\n{BUDGET_NOTICE}\n")
+        assert msg["reasoning"] == msg["reasoning_content"]  # vLLM 0.32's own key, as its run_batch tests read it
         assert msg["content"] and "</think>" not in msg["content"]  # the answer follows the forced end
         # The budget and the notice are thinking, and output tokens like any other.
         assert 8 <= reasoning_tokens(line) <= 8 + notice_tokens

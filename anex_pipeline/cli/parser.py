@@ -51,8 +51,8 @@ BOOL_FLAGS = [
 FLAG_HELP: dict[str, str] = {
     "model": "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct; "
     "all-MiniLM-L6-v2 for embeddings; score and rerank jobs name a cross-encoder)",
-    "endpoint": "chat, completions, embeddings, responses, score, rerank or classify "
-    "(default: from the rows' url, else chat)",
+    "endpoint": "chat, completions, embeddings, responses, score, rerank, classify, transcriptions or "
+    "translations (default: from the rows' url, else chat)",
     "reasoning_budget": "thinking tokens a row may use before its trace is closed; 0 = no cap "
     "(default: estimated from a sample for reasoning models)",
     "max_tokens": "output-token cap for every row that sets none of its own (a row's own max_tokens wins); "

@@ -89,9 +89,11 @@ class SpeechRows:
         return [outcomes[r.index] for r in requests]
 
     def _prepared(self, req: EngineRequest) -> _Row:
-        from fastapi import UploadFile
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
-        from vllm.entrypoints.speech_to_text.transcription.protocol import TranscriptionRequest
+        from vllm.entrypoints.speech_to_text.transcription.protocol import (  # the upload class vLLM's model takes
+            TranscriptionRequest,
+            UploadFile,
+        )
         from vllm.entrypoints.speech_to_text.translation.protocol import TranslationRequest
         from vllm.renderers.inputs.preprocess import parse_enc_dec_prompt, parse_model_prompt
         from vllm.sampling_params import RequestOutputKind
