@@ -1,0 +1,301 @@
+"""One LLM step as a Dagster asset: the source table in (polars, pandas or pyarrow, as the source's
+IO manager loads it), the same table out with the answer columns added, every row once, in order."""
+
+# No "from __future__ import annotations" here: Dagster reads the step's parameter annotations.
+
+import json
+import re
+import string
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pyarrow as pa
+
+from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
+from anex_pipeline.dagster.stages import PROMPT_COLUMN, StepRun, run_step_job
+
+FAILED_ROWS_CHECK = "llm_failed_rows"
+COLUMN_SCHEMA = "dagster/column_schema"
+# The columns a step adds besides its output column, as a Parquet job's result has them. With an
+# output column of its own name, a step prefixes them with it (``verdict_error_type``), so that a
+# step over another step's table keeps both sets.
+ROW_COLUMNS = ("error_type", "prompt_tokens", "completion_tokens", "finish_reason")
+DEFAULT_OUTPUT = "output"
+
+
+def row_column(output_column: str, name: str) -> str:
+    return name if output_column == DEFAULT_OUTPUT else f"{output_column}_{name}"
+
+
+SourceRef = str | dg.AssetKey | dg.AssetsDefinition | dg.AssetSpec
+
+
+class StepDefinitionError(ValueError):
+    """A step that cannot be built: one line naming the asset and what to change."""
+
+
+def template_columns(asset: str, prompt: str) -> list[str]:
+    """The columns a str.format template names, in order ({{ and }} are literal braces)."""
+    names: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(prompt))
+    except ValueError as exc:
+        raise StepDefinitionError(
+            f"LLM step {asset!r}: the prompt is not a template ({exc}); write {{{{ and }}}} for braces"
+        ) from None
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        base = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not base or base.isdigit():
+            raise StepDefinitionError(f"LLM step {asset!r}: prompt field {{{name}}} must name a column")
+        if base not in names:
+            names.append(base)
+    return names
+
+
+def schema_fields(options: Mapping[str, Any]) -> list[str]:
+    """The top-level properties of a json_schema response format: one result column each."""
+    fmt = options.get("response_format") or {}
+    if fmt.get("type") != "json_schema":
+        return []
+    return list(((fmt.get("json_schema") or {}).get("schema") or {}).get("properties") or {})
+
+
+def source_columns(source: Any) -> list[str] | None:
+    """The columns an upstream asset declares (``dagster/column_schema``), if it declares them."""
+    specs = [source] if isinstance(source, dg.AssetSpec) else list(getattr(source, "specs", []))
+    for spec in specs:
+        schema = spec.metadata.get(COLUMN_SCHEMA)
+        if schema is not None:
+            return [c.name for c in getattr(schema, "schema", schema).columns]
+    return None
+
+
+def check_columns(asset: str, source: str, needed: Sequence[str], added: Sequence[str], have: Sequence[str]) -> None:
+    """Every column the prompt names is in the source, and none the step adds is."""
+    for column in needed:
+        if column not in have:
+            raise StepDefinitionError(
+                f"LLM step {asset!r}: the prompt names column {column!r}, which source {source!r} "
+                f"does not have (its columns: {', '.join(have)})"
+            )
+    for column in added:
+        if column in have:
+            raise StepDefinitionError(
+                f"LLM step {asset!r}: source {source!r} already has a column {column!r}, which the step adds; "
+                "set output_column to another name or rename the source's column"
+            )
+
+
+def as_arrow(table: Any) -> pa.Table:
+    if isinstance(table, pa.Table):
+        return table
+    if isinstance(table, pl.DataFrame):
+        return table.to_arrow()
+    if type(table).__module__.split(".")[0] == "pandas":
+        return pa.Table.from_pandas(table, preserve_index=False)
+    raise TypeError(f"an LLM step takes a pyarrow Table or a polars or pandas DataFrame, not {type(table).__name__}")
+
+
+def with_columns(table: Any, added: pa.Table) -> Any:
+    """The source table, of its own kind, with ``added``'s columns after its own."""
+    if isinstance(table, pa.Table):
+        for name in added.column_names:
+            table = table.append_column(name, added.column(name))
+        return table
+    if isinstance(table, pl.DataFrame):
+        return pl.concat([table, pl.from_arrow(added)], how="horizontal")
+    out = table.copy()  # pandas
+    for name in added.column_names:
+        out[name] = added.column(name).to_pandas().to_numpy()
+    return out
+
+
+def answer_columns(run: StepRun, output_column: str, fields: Sequence[str]) -> pa.Table:
+    """The columns a step adds, from its job's Parquet result (which keeps the input's order)."""
+    result = run.result
+    columns = {output_column: result.column("output")}
+    for name in ROW_COLUMNS:
+        columns[row_column(output_column, name)] = result.column(name)
+    if fields:
+        parsed = [
+            _parsed(text, error)
+            for text, error in zip(
+                result.column("output").to_pylist(), result.column("error_type").to_pylist(), strict=True
+            )
+        ]
+        for name in fields:
+            values = [p.get(name) if p else None for p in parsed]
+            try:
+                columns[name] = pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed kinds across rows: kept as JSON text
+                columns[name] = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+    return pa.table(columns)
+
+
+def _parsed(text: str | None, error: str | None) -> dict[str, Any] | None:
+    if text is None or error is not None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _shard_table(run: StepRun) -> str:
+    lines = ["| shard | rows | completed | failed | format errors | generated now |", "|---|---|---|---|---|---|"]
+    for s in run.shards:
+        lines.append(f"| {s.shard} | {s.rows} | {s.completed} | {s.failed} | {s.format_errors} | {s.generated} |")
+    return "\n".join(lines)
+
+
+def _metadata(run: StepRun, out: pa.Table) -> dict[str, Any]:
+    report = run.report
+    counts = report.request_counts
+    return {
+        "dagster/row_count": counts.total,
+        COLUMN_SCHEMA: dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in out.schema]),
+        "rows": counts.total,
+        "completed": counts.completed,
+        "failed": counts.failed,
+        "format_error_rows": counts.format_error_rows,
+        "error_counts": report.error_counts,
+        "prompt_tokens": report.usage.prompt_tokens,
+        "cached_prompt_tokens": report.usage.cached_prompt_tokens,
+        "completion_tokens": report.usage.completion_tokens,
+        "rows_per_s": report.throughput.rows_per_s,
+        "output_tokens_per_s": report.throughput.output_tokens_per_s,
+        **({"cost": report.cost} if report.cost is not None else {}),
+        "generated_now": sum(s.generated for s in run.shards),
+        "kept_from_earlier_runs": sum(s.kept_from_earlier_runs for s in run.shards),
+        "resumed": run.resumed,
+        "job_id": run.job.job_id,
+        "work_folder": dg.MetadataValue.path(str(run.job.root)),
+        "shards": dg.MetadataValue.md(_shard_table(run)),
+        "report": dg.MetadataValue.json(report.model_dump()),
+    }
+
+
+def llm_batch_asset(
+    *,
+    name: str,
+    source: SourceRef,
+    prompt: str,
+    options: Mapping[str, Any] | None = None,
+    output_column: str = DEFAULT_OUTPUT,
+    partitions_def: dg.PartitionsDefinition | None = None,
+    columns: Sequence[str] | None = None,
+    max_failed_share: float = 0.0,
+    blocking: bool = False,
+    key_prefix: Sequence[str] | None = None,
+    group_name: str | None = None,
+    io_manager_key: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dg.AssetsDefinition:
+    """An LLM step as one asset: every row of ``source``'s table gets ``prompt`` (a str.format
+    template over its columns) answered under ``options`` (job options and generation fields).
+
+    ``source`` given as the asset object itself gives the step its partitions, ``partition_expr``
+    and (from ``dagster/column_schema``) its columns, which are then checked here, at definition
+    load; a source given by key is checked when the step first runs, before any engine loads
+    (``columns=`` declares them ahead). The step's check ``llm_failed_rows`` fails when more than
+    ``max_failed_share`` of the rows failed or broke the answer format; ``blocking`` stops the
+    assets downstream of it then."""
+    options = dict(options or {})
+    inherited: dict[str, Any] = {}
+    have = list(columns) if columns is not None else None
+    if isinstance(source, (dg.AssetsDefinition, dg.AssetSpec)):
+        source_key = source.key
+        if partitions_def is None:
+            partitions_def = source.partitions_def
+        if have is None:
+            have = source_columns(source)
+        specs = [source] if isinstance(source, dg.AssetSpec) else list(source.specs)
+        if "partition_expr" in specs[0].metadata:  # DB IO managers read it; the step keeps the source's columns
+            inherited["partition_expr"] = specs[0].metadata["partition_expr"]
+    else:
+        source_key = dg.AssetKey.from_user_string(source) if isinstance(source, str) else source
+    source_name = source_key.to_user_string()
+    needed = template_columns(name, prompt)
+    fields = schema_fields(options)
+    added = [output_column, *(row_column(output_column, c) for c in ROW_COLUMNS), *fields]
+    if have is not None:
+        check_columns(name, source_name, needed, added, have)
+    key = dg.AssetKey([*(key_prefix or []), name])
+
+    @dg.asset(
+        key=key,
+        ins={"table": dg.AssetIn(key=source_key)},
+        partitions_def=partitions_def,
+        group_name=group_name,
+        io_manager_key=io_manager_key,
+        kinds={"llm"},
+        description=f"LLM step over {source_name}: {prompt[:200]}",
+        check_specs=[
+            dg.AssetCheckSpec(
+                FAILED_ROWS_CHECK,
+                asset=key,
+                blocking=blocking,
+                description=f"At most {max_failed_share:.0%} of the rows failed or broke the answer format.",
+            )
+        ],
+        metadata={**inherited, **(metadata or {}), "anex/prompt": prompt, "anex/source": source_name},
+    )
+    def _step(context: dg.AssetExecutionContext, table, anex_llm: LlmEngineResource):
+        if isinstance(table, pl.LazyFrame):  # dagster-deltalake-polars loads a LazyFrame by default
+            table = table.collect()
+        arrow = as_arrow(table)
+        try:  # a source known only by key: checked now, before any engine loads
+            check_columns(name, source_name, needed, added, arrow.column_names)
+        except StepDefinitionError as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
+        partition = context.partition_key if context.has_partition_key else None
+        if arrow.num_rows == 0:
+            raise dg.Failure(
+                description=f"LLM step {name!r}: source {source_name!r} gave 0 rows"
+                + (f" for partition {partition}" if partition else ""),
+                allow_retries=False,
+            )
+        values = {c: arrow.column(c).to_pylist() for c in needed}
+        prompts = [prompt.format(**{c: values[c][i] for c in needed}) for i in range(arrow.num_rows)]
+        run = run_step_job(
+            list(key.path),
+            partition,
+            pa.table({PROMPT_COLUMN: pa.array(prompts, pa.string())}),
+            options,
+            anex_llm,
+            anex_llm.step_work_root(),
+        )
+        added_columns = answer_columns(run, output_column, fields)
+        out = with_columns(table, added_columns)
+        counts = run.report.request_counts
+        bad = counts.failed + counts.format_error_rows
+        share = bad / counts.total if counts.total else 0.0
+        context.log.info(
+            f"{counts.completed} of {counts.total} rows completed, {counts.failed} failed, "
+            f"{counts.format_error_rows} format errors; job {run.job.job_id}"
+        )
+        return dg.MaterializeResult(
+            value=out,
+            metadata=_metadata(run, with_columns(arrow, added_columns)),
+            check_results=[
+                dg.AssetCheckResult(
+                    check_name=FAILED_ROWS_CHECK,
+                    passed=share <= max_failed_share,
+                    severity=dg.AssetCheckSeverity.ERROR,
+                    metadata={
+                        "failed": counts.failed,
+                        "format_error_rows": counts.format_error_rows,
+                        "bad_share": share,
+                        "max_failed_share": max_failed_share,
+                    },
+                )
+            ],
+        )
+
+    assert ENGINE_RESOURCE_KEY == "anex_llm"  # the parameter name above is the resource key
+    return _step

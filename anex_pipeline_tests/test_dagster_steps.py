@@ -1,0 +1,204 @@
+"""LLM steps in a user's Dagster graph (anex_pipeline.dagster): a YAML step and a Python step over
+a table, materialized on a Dagster instance; tables of each kind in and out; the column checks; a
+step materialized again resumes its job; partitions. The fake engine here, the real one in the
+tests marked engine (which share the session's engine: same settings, kept loaded)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pandas as pd
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from anex_pipeline.dagster import FAILED_ROWS_CHECK, LlmBatchComponent, LlmEngineResource, llm_batch_asset
+from anex_pipeline_tests.harness import dagster_steps
+from anex_pipeline_tests.harness.dagster_steps import judge_step, labels_step, review_texts, reviews_asset
+from anex_pipeline_tests.harness.jobs import local_instance, real_engine_resource
+
+DEFS = Path(dagster_steps.__file__)
+
+
+def fake_llm(tmp_path: Path) -> LlmEngineResource:
+    return LlmEngineResource(kind="fake", work_root=str(tmp_path / "work"), machine_server=False)
+
+
+def materialize(assets: list[Any], llm: LlmEngineResource, instance: dg.DagsterInstance, **more: Any) -> Any:
+    result = dg.materialize(assets, instance=instance, resources={"anex_llm": llm}, **more)
+    assert result.success
+    return result
+
+
+def metadata(result: Any, node: str) -> dict[str, Any]:
+    return {k: getattr(v, "value", v) for k, v in result.asset_materializations_for_node(node)[0].metadata.items()}
+
+
+def test_two_steps_over_polars_keep_every_row_in_order(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    assets = [reviews_asset(6), *labels_step(), judge_step()]
+    result = materialize(assets, fake_llm(tmp_path), instance)
+    labels, checked = result.output_for_node("review_labels"), result.output_for_node("label_check")
+    assert isinstance(labels, pl.DataFrame) and isinstance(checked, pl.DataFrame)
+    assert checked["id"].to_list() == list(range(6)) and checked["text"].to_list() == review_texts(6)
+    assert labels.columns == [
+        "id",
+        "text",
+        "output",
+        "error_type",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+        "label",
+    ]
+    assert checked["verdict"].null_count() == 0 and checked["verdict_error_type"].null_count() == 6
+    figures = metadata(result, "review_labels")
+    assert figures["rows"] == 6 and figures["completed"] == 6 and figures["failed"] == 0
+    assert figures["generated_now"] == 6 and figures["resumed"] is False
+    graph = dg.Definitions(assets=assets, resources={"anex_llm": fake_llm(tmp_path)}).resolve_asset_graph()
+    assert graph.get(dg.AssetKey("label_check")).parent_keys == {dg.AssetKey("review_labels")}
+    assert graph.get(dg.AssetKey("review_labels")).parent_keys == {dg.AssetKey("reviews")}
+    # The fake answers {"answer": <row>}, which the schema (label required) refuses: a format error
+    # in every row, no label, and the step's check fails over its threshold of 0.
+    assert figures["format_error_rows"] == 6 and labels["label"].null_count() == 6
+    assert labels["error_type"].to_list() == ["format_error"] * 6
+    checks = result.get_asset_check_evaluations()
+    assert {(c.asset_key.to_user_string(), c.check_name, c.passed) for c in checks} == {
+        ("review_labels", FAILED_ROWS_CHECK, False),
+        ("label_check", FAILED_ROWS_CHECK, True),
+    }
+
+
+def test_a_second_materialization_resumes_and_generates_nothing(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    assets = [reviews_asset(5), *labels_step()]
+    materialize(assets, fake_llm(tmp_path), instance)
+    again = metadata(materialize(assets, fake_llm(tmp_path), instance), "review_labels")
+    assert again["resumed"] is True and again["generated_now"] == 0 and again["kept_from_earlier_runs"] == 5
+
+
+@pytest.mark.parametrize("kind", ["pandas", "pyarrow"])
+def test_pandas_and_pyarrow_sources_give_the_same_kind(tmp_path: Path, instance: dg.DagsterInstance, kind: str) -> None:
+    result = materialize([reviews_asset(4, kind), *labels_step()], fake_llm(tmp_path), instance)
+    out = result.output_for_node("review_labels")
+    if kind == "pandas":
+        assert isinstance(out, pd.DataFrame) and list(out["id"]) == [0, 1, 2, 3]
+        assert out["output"].notna().all()
+    else:
+        assert isinstance(out, pa.Table) and out.column("id").to_pylist() == [0, 1, 2, 3]
+        assert out.column("output").null_count == 0
+
+
+def test_a_missing_column_fails_at_definition_load_naming_asset_and_column() -> None:
+    source = dg.AssetSpec(
+        "reviews",
+        metadata={
+            "dagster/column_schema": dg.TableSchema(
+                columns=[dg.TableColumn("id", "int"), dg.TableColumn("text", "string")]
+            )
+        },
+    )
+    with pytest.raises(ValueError, match="LLM step 'judge': the prompt names column 'body', which source 'reviews'"):
+        llm_batch_asset(name="judge", source=source, prompt="{body}")
+    component = LlmBatchComponent(asset="labels", source="reviews", prompt="{title}", columns=["id", "text"])
+    with pytest.raises(ValueError, match="LLM step 'labels': the prompt names column 'title'"):
+        dg.build_defs_for_component(component)
+
+
+def test_a_source_known_by_key_is_checked_before_any_engine_loads(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    step = llm_batch_asset(name="late", source="reviews", prompt="{body}")
+    result = dg.materialize(
+        [reviews_asset(2), step], instance=instance, raise_on_error=False, resources={"anex_llm": fake_llm(tmp_path)}
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "LLM step 'late': the prompt names column 'body', which source 'reviews' does not have" in str(
+        failure.step_failure_data.error.message
+    )
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_a_daily_partitioned_source_gives_a_step_per_partition(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    days = dg.DailyPartitionsDefinition(start_date="2026-01-01", end_date="2026-01-03")
+
+    @dg.asset(partitions_def=days)
+    def reviews(context) -> pl.DataFrame:  # unannotated: this module defers annotations, Dagster reads them
+        day = context.partition_key
+        return pl.DataFrame({"day": [day, day], "text": [f"{day} good", f"{day} bad"]})
+
+    step = llm_batch_asset(name="labels", source=reviews, prompt="{text}", options={"max_tokens": 20})
+    assert step.partitions_def == days
+    llm = fake_llm(tmp_path)
+    outs = {}
+    for day in ("2026-01-01", "2026-01-02"):
+        outs[day] = materialize([reviews, step], llm, instance, partition_key=day).output_for_node("labels")
+    for day, out in outs.items():
+        assert out["day"].to_list() == [day, day] and out["output"].null_count() == 0
+    jobs = sorted(p.name for p in (tmp_path / "work").iterdir() if p.name.startswith("labels"))
+    assert len(jobs) == 2 and "2026-01-01" in jobs[0] and "2026-01-02" in jobs[1]  # one job per partition
+
+
+@pytest.mark.subprocess
+def test_sigkill_during_generation_then_materialize_again_generates_no_checkpointed_row(tmp_path: Path) -> None:
+    rows = 300
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "ANEX_TEST_ROWS": str(rows),
+        "ANEX_TEST_CALLS_FILE": str(tmp_path / "calls.txt"),
+        "ANEX_TEST_STEP_WORK": str(tmp_path / "work"),
+        "ANEX_FAKE_ROW_DELAY_S": "0.02",
+    }
+    (tmp_path / "home").mkdir()
+    command = [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "*", "-f", str(DEFS)]
+    victim = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    calls = tmp_path / "calls.txt"
+    deadline = time.monotonic() + 180
+    while (not calls.exists() or len(calls.read_text().splitlines()) < rows // 2) and time.monotonic() < deadline:
+        assert victim.poll() is None, "the materialization ended before it was killed"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # the command and its step process
+    victim.wait(timeout=30)
+    before = len(calls.read_text().splitlines())
+    assert rows // 2 <= before < rows
+
+    again = subprocess.run(
+        command, env={**env, "ANEX_FAKE_ROW_DELAY_S": "0"}, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    generated_again = len(calls.read_text().splitlines()) - before
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("review_labels"))
+    figures = {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+    assert figures["resumed"] is True and figures["kept_from_earlier_runs"] > 0
+    # Only the rows not checkpointed before the kill were generated again.
+    assert generated_again == figures["generated_now"] == rows - figures["kept_from_earlier_runs"]
+    with (tmp_path / "home" / "storage" / "review_labels").open("rb") as stored:
+        table = pickle.load(stored)
+    assert table["id"].to_list() == list(range(rows)) and table["output"].null_count() == 0
+
+
+@pytest.mark.engine
+def test_two_steps_on_the_real_engine(tmp_path: Path) -> None:
+    """The YAML step labels with a JSON schema, the Python step judges the label, on vLLM (the
+    session's engine: the same settings as real_engine_resource, kept loaded)."""
+    llm = LlmEngineResource(
+        **{**real_engine_resource().model_dump(), "keep_loaded": True, "work_root": str(tmp_path / "work")}
+    )
+    with local_instance() as instance:
+        result = materialize([reviews_asset(4), *labels_step(), judge_step()], llm, instance)
+    checked = result.output_for_node("label_check")
+    assert checked["id"].to_list() == [0, 1, 2, 3] and checked["text"].to_list() == review_texts(4)
+    assert set(checked["label"].to_list()) <= {"positive", "negative", "neutral"}
+    assert checked["label"].null_count() == 0 and checked["error_type"].null_count() == 4
+    assert checked["verdict"].null_count() == 0 and all(v.strip() for v in checked["verdict"].to_list())
+    figures = metadata(result, "review_labels")
+    assert figures["completed"] == 4 and figures["completion_tokens"] > 0 and figures["output_tokens_per_s"] > 0
