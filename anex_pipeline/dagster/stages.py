@@ -27,6 +27,7 @@ from anex_pipeline.stages.merge import merge_job, result_path
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import load_interruptibly, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.timing import record_timing
 
 PROMPT_COLUMN = "prompt"  # the one column of the job's input file
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -97,5 +98,8 @@ def run_step_job(
         finally:
             if store is not None:
                 store.close()
+    for summary in shards:  # the report's throughput counts from these, as for a job's generations
+        record_timing(job, "engine_wait", summary.engine_wait_s)
+        record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     report = merge_job(job)
     return StepRun(job, report, pq.read_table(result_path(job)), shards, resumed)
