@@ -202,3 +202,49 @@ def test_two_steps_on_the_real_engine(tmp_path: Path) -> None:
     assert checked["verdict"].null_count() == 0 and all(v.strip() for v in checked["verdict"].to_list())
     figures = metadata(result, "review_labels")
     assert figures["completed"] == 4 and figures["completion_tokens"] > 0 and figures["output_tokens_per_s"] > 0
+
+
+@pytest.mark.subprocess
+def test_a_backfill_of_two_daily_partitions_materializes_each_with_its_rows(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "run_coordinator: {module: dagster._core.run_coordinator, class: DefaultRunCoordinator}\n"
+        "telemetry: {enabled: false}\n"
+    )
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "ANEX_TEST_DAILY": "1",
+        "ANEX_TEST_CALLS_FILE": str(tmp_path / "calls.txt"),
+        "ANEX_TEST_STEP_WORK": str(tmp_path / "work"),
+    }
+    days = ["2026-01-01", "2026-01-02"]
+    command = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "job",
+        "backfill",
+        "-f",
+        str(DEFS),
+        "-j",
+        "__ASSET_JOB",
+        "--partitions",
+        ",".join(days),
+        "--noprompt",
+    ]
+    launched = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # the backfill's runs go on in processes of their own
+            runs = [r for r in instance.get_runs() if "dagster/backfill" in r.tags]
+            if len(runs) == 2 and all(r.is_finished for r in runs):
+                break
+            time.sleep(0.5)
+        assert sorted((r.tags["dagster/partition"], r.status.value) for r in runs) == [(day, "SUCCESS") for day in days]
+    for day in days:
+        with (home / "storage" / "review_labels" / day).open("rb") as stored:
+            table = pickle.load(stored)
+        assert table["day"].to_list() == [day, day] and table["output"].null_count() == 0

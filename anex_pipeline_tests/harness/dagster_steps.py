@@ -96,9 +96,33 @@ class CountingFakeEngine(FakeEngine):
 COUNTING_FAKE = "counting-fake"
 register_engine(COUNTING_FAKE, lambda config, manifest: CountingFakeEngine(manifest.model_name))
 
+
+def daily_reviews() -> dg.AssetsDefinition:
+    """A daily-partitioned source: two reviews per day, each naming its day."""
+
+    @dg.asset(
+        name="reviews", partitions_def=dg.DailyPartitionsDefinition(start_date="2026-01-01", end_date="2026-01-03")
+    )
+    def reviews(context) -> pl.DataFrame:  # unannotated: this module defers annotations, Dagster reads them
+        day = context.partition_key
+        return pl.DataFrame({"day": [day, day], "text": [f"{day}: loved it", f"{day}: broke at once"]})
+
+    return reviews
+
+
+def _assets_of_the_test() -> list[dg.AssetsDefinition]:
+    if os.environ.get("ANEX_TEST_DAILY"):
+        source = daily_reviews()
+        return [
+            source,
+            llm_batch_asset(name="review_labels", source=source, prompt="{text}", options={"max_tokens": 20}),
+        ]
+    return [reviews_asset(int(os.environ.get("ANEX_TEST_ROWS", "6"))), *labels_step()]
+
+
 if "ANEX_TEST_CALLS_FILE" in os.environ:  # loaded by `dagster asset materialize -f` in a test
     defs = dg.Definitions(
-        assets=[reviews_asset(int(os.environ.get("ANEX_TEST_ROWS", "6"))), *labels_step()],
+        assets=_assets_of_the_test(),
         resources={
             "anex_llm": LlmEngineResource(
                 kind=COUNTING_FAKE, work_root=os.environ["ANEX_TEST_STEP_WORK"], machine_server=False
