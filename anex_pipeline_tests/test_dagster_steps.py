@@ -248,3 +248,15 @@ def test_a_backfill_of_two_daily_partitions_materializes_each_with_its_rows(tmp_
         with (home / "storage" / "review_labels" / day).open("rb") as stored:
             table = pickle.load(stored)
         assert table["day"].to_list() == [day, day] and table["output"].null_count() == 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "embeddings"])
+def test_completions_and_embeddings_steps(tmp_path: Path, instance: dg.DagsterInstance, endpoint: str) -> None:
+    step = llm_batch_asset(name="answers", source="reviews", prompt="Review: {text}", options={"endpoint": endpoint})
+    out = materialize([reviews_asset(3), step], fake_llm(tmp_path), instance).output_for_node("answers")
+    assert out["id"].to_list() == [0, 1, 2] and out["output"].null_count() == 0
+    if endpoint == "embeddings":  # a vector column, and the prompt's tokens only
+        assert isinstance(out.schema["output"], pl.List) and len(out["output"][0]) > 0
+        assert "finish_reason" not in out.columns and out["prompt_tokens"].null_count() == 0
+    else:
+        assert out["output"].str.starts_with("answer to").all() and out["finish_reason"].null_count() == 0

@@ -77,7 +77,7 @@ def run_step_job(
         job = prepare_job(
             input_path,
             str(folder / "result.parquet"),
-            job_options(options),
+            job_options({**options, "prompt_column": PROMPT_COLUMN}),  # embeddings' too
             work_root,
             job_id=job_id,
             local_model=not engine.base_url,

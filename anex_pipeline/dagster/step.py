@@ -117,9 +117,11 @@ def with_columns(table: Any, added: pa.Table) -> Any:
 def answer_columns(run: StepRun, output_column: str, fields: Sequence[str]) -> pa.Table:
     """The columns a step adds, from its job's Parquet result (which keeps the input's order)."""
     result = run.result
-    columns = {output_column: result.column("output")}
+    answer = "embedding" if "embedding" in result.column_names else "output"  # an embeddings job's vectors
+    columns = {output_column: result.column(answer)}
     for name in ROW_COLUMNS:
-        columns[row_column(output_column, name)] = result.column(name)
+        if name in result.column_names:  # an embedding has its prompt's tokens only
+            columns[row_column(output_column, name)] = result.column(name)
     if fields:
         parsed = [
             _parsed(text, error)
