@@ -260,3 +260,13 @@ def test_completions_and_embeddings_steps(tmp_path: Path, instance: dg.DagsterIn
         assert "finish_reason" not in out.columns and out["prompt_tokens"].null_count() == 0
     else:
         assert out["output"].str.starts_with("answer to").all() and out["finish_reason"].null_count() == 0
+
+
+def test_options_refused_at_submit_fail_the_step_in_one_line(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    step = llm_batch_asset(name="bad", source="reviews", prompt="{text}", options={"max_tokens": -3})
+    result = dg.materialize(
+        [reviews_asset(2), step], instance=instance, raise_on_error=False, resources={"anex_llm": fake_llm(tmp_path)}
+    )
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = str(failure.step_failure_data.error.message)
+    assert "LLM step 'bad'" in message and "max_tokens" in message

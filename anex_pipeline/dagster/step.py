@@ -15,6 +15,8 @@ import pyarrow as pa
 
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
 from anex_pipeline.dagster.stages import PROMPT_COLUMN, StepRun, run_step_job
+from anex_pipeline.errors import EngineLoadFailed, JobStopped
+from anex_pipeline.spec import JobRejected
 
 FAILED_ROWS_CHECK = "llm_failed_rows"
 COLUMN_SCHEMA = "dagster/column_schema"
@@ -264,14 +266,19 @@ def llm_batch_asset(
             )
         values = {c: arrow.column(c).to_pylist() for c in needed}
         prompts = [prompt.format(**{c: values[c][i] for c in needed}) for i in range(arrow.num_rows)]
-        run = run_step_job(
-            list(key.path),
-            partition,
-            pa.table({PROMPT_COLUMN: pa.array(prompts, pa.string())}),
-            options,
-            anex_llm,
-            anex_llm.step_work_root(),
-        )
+        try:
+            run = run_step_job(
+                list(key.path),
+                partition,
+                pa.table({PROMPT_COLUMN: pa.array(prompts, pa.string())}),
+                options,
+                anex_llm,
+                anex_llm.step_work_root(),
+            )
+        except JobRejected as exc:  # the rows, options or model refused before any engine loads
+            raise dg.Failure(description=f"LLM step {name!r}: {exc.render()}", allow_retries=False) from None
+        except (JobStopped, EngineLoadFailed) as exc:  # materializing again resumes from the checkpoints
+            raise dg.Failure(description=f"LLM step {name!r} stopped: {exc}", allow_retries=False) from None
         added_columns = answer_columns(run, output_column, fields)
         out = with_columns(table, added_columns)
         counts = run.report.request_counts
