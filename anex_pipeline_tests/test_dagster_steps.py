@@ -140,6 +140,15 @@ def test_a_daily_partitioned_source_gives_a_step_per_partition(tmp_path: Path, i
         outs[day] = materialize([reviews, step], llm, instance, partition_key=day).output_for_node("labels")
     for day, out in outs.items():
         assert out["day"].to_list() == [day, day] and out["output"].null_count() == 0
+    # A step by key with no partitions of its own over this source would take every day at once: refused.
+    by_key = llm_batch_asset(name="unpartitioned", source="reviews", prompt="{text}")
+    refused = dg.materialize(
+        [reviews, by_key], instance=instance, selection=[by_key], raise_on_error=False, resources={"anex_llm": llm}
+    )
+    failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "LLM step 'unpartitioned' is not partitioned but its source 'reviews' is" in str(
+        failure.step_failure_data.error.message
+    )
     jobs = sorted(p.name for p in (tmp_path / "work").iterdir() if p.name.startswith("labels"))
     assert len(jobs) == 2 and "2026-01-01" in jobs[0] and "2026-01-02" in jobs[1]  # one job per partition
 

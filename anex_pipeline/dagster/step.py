@@ -184,6 +184,13 @@ def _metadata(run: StepRun, out: pa.Table) -> dict[str, Any]:
     }
 
 
+def _source_partitioned(context: dg.AssetExecutionContext) -> bool:
+    try:
+        return context.asset_partitions_def_for_input("table") is not None
+    except dg.DagsterInvariantViolationError:  # Dagster's answer for a source with no partitions
+        return False
+
+
 def llm_batch_asset(
     *,
     name: str,
@@ -250,6 +257,12 @@ def llm_batch_asset(
         metadata={**inherited, **(metadata or {}), "anex/prompt": prompt, "anex/source": source_name},
     )
     def _step(context: dg.AssetExecutionContext, table, anex_llm: LlmEngineResource):
+        if partitions_def is None and _source_partitioned(context):
+            raise dg.Failure(  # Dagster would load every partition of the source into one job, silently
+                description=f"LLM step {name!r} is not partitioned but its source {source_name!r} is: pass the "
+                "source itself (Python), source_defs (YAML), or partitions like the source's",
+                allow_retries=False,
+            )
         if isinstance(table, pl.LazyFrame):  # dagster-deltalake-polars loads a LazyFrame by default
             table = table.collect()
         arrow = as_arrow(table)
