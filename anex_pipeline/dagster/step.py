@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
 from anex_pipeline.dagster.stages import PROMPT_COLUMN, StepRun, run_step_job
-from anex_pipeline.errors import EngineLoadFailed, JobStopped
+from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode, JobStopped
 from anex_pipeline.spec import JobRejected
 
 FAILED_ROWS_CHECK = "llm_failed_rows"
@@ -34,8 +34,10 @@ def row_column(output_column: str, name: str) -> str:
 SourceRef = str | dg.AssetKey | dg.AssetsDefinition | dg.AssetSpec
 
 
-class StepDefinitionError(ValueError):
+class StepDefinitionError(AnexError, ValueError):
     """A step that cannot be built: one line naming the asset and what to change."""
+
+    exit_code = ExitCode.REJECTED
 
 
 def template_columns(asset: str, prompt: str) -> list[str]:
