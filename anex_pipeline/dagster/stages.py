@@ -23,7 +23,7 @@ from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline.stages.fetch_media import fetch_shard
 from anex_pipeline.stages.generate import ShardSummary, run_shard
 from anex_pipeline.stages.generate_answer_store import open_store
-from anex_pipeline.stages.merge import merge_job, result_path
+from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import load_interruptibly, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
@@ -102,4 +102,4 @@ def run_step_job(
         record_timing(job, "engine_wait", summary.engine_wait_s)
         record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     report = merge_job(job)
-    return StepRun(job, report, pq.read_table(result_path(job)), shards, resumed)
+    return StepRun(job, report, pq.read_table(job.result_path), shards, resumed)
