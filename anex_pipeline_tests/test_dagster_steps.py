@@ -18,12 +18,22 @@ import dagster as dg
 import pandas as pd
 import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from anex_pipeline.dagster import FAILED_ROWS_CHECK, LlmBatchComponent, LlmEngineResource, llm_batch_asset
+from anex_pipeline.dagster import (
+    FAILED_ROWS_CHECK,
+    LlmBatchComponent,
+    LlmEngineResource,
+    StepDefinitionError,
+    llm_batch_asset,
+)
+from anex_pipeline.dagster.step import ROW_COLUMNS
+from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness import dagster_steps
 from anex_pipeline_tests.harness.dagster_steps import judge_step, labels_step, review_texts, reviews_asset
 from anex_pipeline_tests.harness.jobs import local_instance, real_engine_resource
+from anex_pipeline_tests.harness.media import png_bytes
 
 DEFS = Path(dagster_steps.__file__)
 
@@ -279,3 +289,104 @@ def test_options_refused_at_submit_fail_the_step_in_one_line(tmp_path: Path, ins
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     message = str(failure.step_failure_data.error.message)
     assert "LLM step 'bad'" in message and "max_tokens" in message
+
+
+def step_failure(result: Any) -> str:
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    return str(failure.step_failure_data.error.message)
+
+
+def job_input(llm: LlmEngineResource, result: Any, node: str) -> pa.Table:
+    """The input file of the job a step ran: what its rows sent."""
+    job_id = metadata(result, node)["job_id"]
+    staging = Path(llm.step_work_root()).parent / f"{Path(llm.step_work_root()).name}-llm-steps"
+    return pq.read_table(staging / job_id / "input.parquet")
+
+
+def test_messages_system_prompt_and_an_image_column_reach_the_rows(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    pictures = [png_bytes(n) for n in range(3)]
+
+    @dg.asset(name="reviews")
+    def reviews() -> pa.Table:
+        return pa.table({"text": review_texts(3), "tone": ["dry", "warm", "curt"], "picture": pictures})
+
+    component = LlmBatchComponent.resolve_from_yaml(
+        "asset: replies\nsource: reviews\nsystem_prompt: Answer in one line.\nimage_column: picture\n"
+        "messages:\n  - {role: user, content: 'Review: {text}'}\n"
+        "  - {role: assistant, content: 'Noted.'}\n  - {role: user, content: 'Reply in a {tone} tone.'}\n"
+        "output_column: reply\n"
+    )
+    llm = fake_llm(tmp_path)
+    step = next(iter(dg.build_defs_for_component(component).assets or []))
+    assert step.specs_by_key[dg.AssetKey("replies")].metadata["anex/prompt"].startswith("user: Review: {text}")
+    result = materialize([reviews, step], llm, instance)
+    out = result.output_for_node("replies")
+    assert out.column_names == ["text", "tone", "picture", "reply", *(f"reply_{c}" for c in ROW_COLUMNS)]
+    assert out.column("reply_error_type").null_count == 3 and out.column("reply").null_count == 0
+    sent = job_input(llm, result, "replies")
+    assert sent.column("prompt").to_pylist()[1] == [
+        {"role": "user", "content": f"Review: {review_texts(3)[1]}"},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Reply in a warm tone."},
+    ]
+    assert sent.column("image").to_pylist() == pictures
+    job = JobDir(llm.step_work_root(), metadata(result, "replies")["job_id"])
+    assert job.manifest().job_options().system_prompt == "Answer in one line."
+
+
+def test_preprocess_and_postprocess_shape_each_row(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    def ask(row: dict[str, Any]) -> Any:
+        return row["text"] if row["id"] % 2 else [{"role": "user", "content": f"Short: {row['text']}"}]
+
+    def tidy(row: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return {"words": len(answer["output"].split()), "row_id": row["id"]}
+
+    step = llm_batch_asset(name="answers", source="reviews", preprocess=ask, postprocess=tidy)
+    llm = fake_llm(tmp_path)
+    result = materialize([reviews_asset(4), step], llm, instance)
+    out = result.output_for_node("answers")
+    assert out.columns[-2:] == ["words", "row_id"] and out["row_id"].to_list() == [0, 1, 2, 3]
+    assert out["words"].to_list() == [len(t.split()) for t in out["output"].to_list()]
+    sent = job_input(llm, result, "answers").column("prompt").to_pylist()
+    assert sent[0] == [{"role": "user", "content": f"Short: {review_texts(4)[0]}"}]
+    assert sent[1] == [{"role": "user", "content": review_texts(4)[1]}]  # a string is the user's message
+
+
+def test_a_users_function_failing_fails_the_step_in_one_line_naming_the_row(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    def ask(row: dict[str, Any]) -> str:
+        return row["text"] if row["id"] != 2 else ""
+
+    step = llm_batch_asset(name="asks", source="reviews", preprocess=ask)
+    result = dg.materialize(
+        [reviews_asset(3), step], instance=instance, raise_on_error=False, resources={"anex_llm": fake_llm(tmp_path)}
+    )
+    assert "LLM step 'asks': preprocess gave row 2 str ''; it must give a non-empty prompt" in step_failure(result)
+
+    def clash(row: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return {"text": 1 / row["id"]}
+
+    step = llm_batch_asset(name="after", source="reviews", prompt="{text}", postprocess=clash)
+    result = dg.materialize(
+        [reviews_asset(2), step], instance=instance, raise_on_error=False, resources={"anex_llm": fake_llm(tmp_path)}
+    )
+    assert "LLM step 'after': postprocess failed on row 0: ZeroDivisionError" in step_failure(result)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"prompt": "{text}", "messages": [{"role": "user", "content": "{text}"}]}, "exactly one of prompt, messages"),
+        ({}, "give exactly one of prompt, messages and preprocess"),
+        ({"messages": [{"role": "robot", "content": "{text}"}]}, r"messages\[0\] needs a role of system"),
+        ({"messages": [{"role": "user", "content": "{title}"}]}, "a message names column 'title'"),
+        ({"prompt": "{text}", "image_column": "photo"}, "image_column names column 'photo'"),
+        ({"prompt": "{text}", "model": "a", "options": {"model": "b"}}, "model is given twice"),
+    ],
+)
+def test_a_step_that_cannot_be_built_says_why_at_definition_load(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(StepDefinitionError, match=message):
+        llm_batch_asset(name="s", source="reviews", columns=["id", "text"], **arguments)

@@ -10,8 +10,9 @@ it imports nothing heavy (no vLLM, no torch).
 """
 
 from anex_pipeline.dagster.component import LlmBatchComponent
+from anex_pipeline.dagster.prompts import StepDefinitionError
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
-from anex_pipeline.dagster.step import FAILED_ROWS_CHECK, StepDefinitionError, llm_batch_asset
+from anex_pipeline.dagster.step import FAILED_ROWS_CHECK, llm_batch_asset
 
 __all__ = [
     "ENGINE_RESOURCE_KEY",

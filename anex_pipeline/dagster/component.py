@@ -108,7 +108,21 @@ class LlmBatchComponent(dg.Component, dg.Resolvable):
     source: Annotated[str, doc("Key of the upstream asset; its IO manager loads the table.")]
     # passthrough: Dagster renders every other string attribute as a Jinja template ({{ ... }}),
     # which would eat a prompt's literal braces.
-    prompt: Annotated[str, dg.Resolver.passthrough(description="Template; {column} takes each row's value.")]
+    prompt: Annotated[str | None, dg.Resolver.passthrough(description="Template; {column} takes each row's value.")] = (
+        None
+    )
+    messages: Annotated[
+        list[dict[str, str]] | None,
+        dg.Resolver.passthrough(description="Instead of prompt: messages of role and a content template each."),
+    ] = None
+    system_prompt: Annotated[str | None, dg.Resolver.passthrough(description="A system message for every row.")] = None
+    # default_factory, not a default: a default would stand as the class attribute `model` and hide
+    # Resolvable.model(), the classmethod Dagster builds the YAML schema with.
+    model: Annotated[str | None, doc("The model (or a served model's name) the rows run on.")] = field(
+        default_factory=lambda: None
+    )
+    adapter: Annotated[str | None, doc("The LoRA adapter the rows run on (see options.lora_modules).")] = None
+    image_column: Annotated[str | None, doc("A column of image URLs or bytes, added to each row's message.")] = None
     options: Annotated[dict[str, Any], doc("Request options: max_tokens, temperature, response_format, ...")] = field(
         default_factory=dict
     )
@@ -139,7 +153,12 @@ class LlmBatchComponent(dg.Component, dg.Resolvable):
             name=self.asset,
             source=source,
             prompt=self.prompt,
+            messages=self.messages,
             options=self.options,
+            system_prompt=self.system_prompt,
+            model=self.model,
+            adapter=self.adapter,
+            image_column=self.image_column,
             output_column=self.output_column,
             partitions_def=self.partitions,
             columns=self.columns,

@@ -29,7 +29,8 @@ from anex_pipeline.stopping import load_interruptibly, stopping_on_signals
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline.workdir.timing import record_timing
 
-PROMPT_COLUMN = "prompt"  # the one column of the job's input file
+PROMPT_COLUMN = "prompt"  # the column of the job's input file that holds each row's prompt or messages
+IMAGE_COLUMN = "image"  # and the one that holds its image, for a step with an image column
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 

@@ -4,18 +4,17 @@ IO manager loads it), the same table out with the answer columns added, every ro
 # No "from __future__ import annotations" here: Dagster reads the step's parameter annotations.
 
 import json
-import re
-import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
 import polars as pl
 import pyarrow as pa
 
+from anex_pipeline.dagster.prompts import Preprocess, StepDefinitionError, StepPrompt
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
-from anex_pipeline.dagster.stages import PROMPT_COLUMN, StepRun, run_step_job
-from anex_pipeline.errors import AnexError, EngineLoadFailed, ExitCode, JobStopped
+from anex_pipeline.dagster.stages import IMAGE_COLUMN, PROMPT_COLUMN, StepRun, run_step_job
+from anex_pipeline.errors import EngineLoadFailed, JobStopped
 from anex_pipeline.spec import JobRejected
 
 FAILED_ROWS_CHECK = "llm_failed_rows"
@@ -32,32 +31,7 @@ def row_column(output_column: str, name: str) -> str:
 
 
 SourceRef = str | dg.AssetKey | dg.AssetsDefinition | dg.AssetSpec
-
-
-class StepDefinitionError(AnexError, ValueError):
-    """A step that cannot be built: one line naming the asset and what to change."""
-
-    exit_code = ExitCode.REJECTED
-
-
-def template_columns(asset: str, prompt: str) -> list[str]:
-    """The columns a str.format template names, in order ({{ and }} are literal braces)."""
-    names: list[str] = []
-    try:
-        parsed = list(string.Formatter().parse(prompt))
-    except ValueError as exc:
-        raise StepDefinitionError(
-            f"LLM step {asset!r}: the prompt is not a template ({exc}); write {{{{ and }}}} for braces"
-        ) from None
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        base = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if not base or base.isdigit():
-            raise StepDefinitionError(f"LLM step {asset!r}: prompt field {{{name}}} must name a column")
-        if base not in names:
-            names.append(base)
-    return names
+Postprocess = Callable[[dict[str, Any], dict[str, Any]], Mapping[str, Any]]
 
 
 def schema_fields(options: Mapping[str, Any]) -> list[str]:
@@ -78,12 +52,15 @@ def source_columns(source: Any) -> list[str] | None:
     return None
 
 
-def check_columns(asset: str, source: str, needed: Sequence[str], added: Sequence[str], have: Sequence[str]) -> None:
-    """Every column the prompt names is in the source, and none the step adds is."""
-    for column in needed:
+def check_columns(
+    asset: str, source: str, needed: Mapping[str, str], added: Sequence[str], have: Sequence[str]
+) -> None:
+    """Every column the step reads (``needed``: column -> what names it) is in the source, and
+    none the step adds is."""
+    for column, named_by in needed.items():
         if column not in have:
             raise StepDefinitionError(
-                f"LLM step {asset!r}: the prompt names column {column!r}, which source {source!r} "
+                f"LLM step {asset!r}: {named_by} names column {column!r}, which source {source!r} "
                 f"does not have (its columns: {', '.join(have)})"
             )
     for column in added:
@@ -193,12 +170,68 @@ def _source_partitioned(context: dg.AssetExecutionContext) -> bool:
         return False
 
 
+def step_options(name: str, options: Mapping[str, Any] | None, **named: Any) -> dict[str, Any]:
+    """The step's job options: ``options`` with the named ones given as arguments (system_prompt,
+    model, adapter) added; the same option given both ways with two values is refused."""
+    merged = dict(options or {})
+    for option, value in named.items():
+        if value is None:
+            continue
+        if merged.get(option, value) != value:
+            raise StepDefinitionError(
+                f"LLM step {name!r}: {option} is given twice, as {value!r} and in options as "
+                f"{merged[option]!r}; keep one"
+            )
+        merged[option] = value
+    return merged
+
+
+def postprocessed(
+    name: str, postprocess: Postprocess, source: pa.Table, answers: pa.Table, taken: Sequence[str]
+) -> pa.Table:
+    """The columns ``postprocess`` makes of each row and its answer columns, in row order."""
+    made: list[Mapping[str, Any]] = []
+    for n, (row, answer) in enumerate(zip(source.to_pylist(), answers.to_pylist(), strict=True)):
+        try:
+            value = postprocess(row, answer)
+        except Exception as exc:  # the user's function: its failure is one line naming the row
+            raise StepDefinitionError(
+                f"LLM step {name!r}: postprocess failed on row {n}: {type(exc).__name__}: {exc}"
+            ) from None
+        if not isinstance(value, Mapping):
+            raise StepDefinitionError(
+                f"LLM step {name!r}: postprocess gave row {n} a {type(value).__name__}; it must give a dict of "
+                "column name to value"
+            )
+        made.append(value)
+    names = list(dict.fromkeys(key for value in made for key in value))
+    for column in names:
+        if column in taken:
+            raise StepDefinitionError(
+                f"LLM step {name!r}: postprocess makes column {column!r}, which the table already has; "
+                "give it another name"
+            )
+    try:
+        return pa.table({column: [value.get(column) for value in made] for column in names})
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise StepDefinitionError(
+            f"LLM step {name!r}: postprocess gave values of different kinds in one column ({exc})"
+        ) from None
+
+
 def llm_batch_asset(
     *,
     name: str,
     source: SourceRef,
-    prompt: str,
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    preprocess: Preprocess | None = None,
+    postprocess: Postprocess | None = None,
     options: Mapping[str, Any] | None = None,
+    system_prompt: str | None = None,
+    model: str | None = None,
+    adapter: str | None = None,
+    image_column: str | None = None,
     output_column: str = DEFAULT_OUTPUT,
     partitions_def: dg.PartitionsDefinition | None = None,
     columns: Sequence[str] | None = None,
@@ -209,8 +242,18 @@ def llm_batch_asset(
     io_manager_key: str | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> dg.AssetsDefinition:
-    """An LLM step as one asset: every row of ``source``'s table gets ``prompt`` (a str.format
-    template over its columns) answered under ``options`` (job options and generation fields).
+    """An LLM step as one asset: every row of ``source``'s table is sent, under ``options`` (job
+    options and generation fields), as one of:
+
+    - ``prompt``: a str.format template over the row's columns (``{text}``);
+    - ``messages``: a list of ``{"role", "content"}`` whose contents are such templates;
+    - ``preprocess``: a function of the row (a dict of its columns) giving a prompt string or a
+      list of messages.
+
+    ``system_prompt``, ``model`` and ``adapter`` are the job options of those names;
+    ``image_column`` names a column of image URLs or bytes, added to each row's last message.
+    ``postprocess(row, answer)``, given the row and a dict of the columns the step adds for it,
+    returns a dict of more columns, added after them.
 
     ``source`` given as the asset object itself gives the step its partitions, ``partition_expr``
     and (from ``dagster/column_schema``) its columns, which are then checked here, at definition
@@ -218,7 +261,10 @@ def llm_batch_asset(
     (``columns=`` declares them ahead). The step's check ``llm_failed_rows`` fails when more than
     ``max_failed_share`` of the rows failed or broke the answer format; ``blocking`` stops the
     assets downstream of it then."""
-    options = dict(options or {})
+    asks = StepPrompt.of(name, prompt, messages, preprocess)
+    options = step_options(name, options, system_prompt=system_prompt, model=model, adapter=adapter)
+    if image_column is not None:
+        options["image_column"] = IMAGE_COLUMN
     inherited: dict[str, Any] = {}
     have = list(columns) if columns is not None else None
     if isinstance(source, (dg.AssetsDefinition, dg.AssetSpec)):
@@ -233,12 +279,16 @@ def llm_batch_asset(
     else:
         source_key = dg.AssetKey.from_user_string(source) if isinstance(source, str) else source
     source_name = source_key.to_user_string()
-    needed = template_columns(name, prompt)
+    named_by = "the prompt" if prompt is not None else "a message"
+    needed = {column: named_by for column in asks.columns() or []}
+    if image_column is not None:
+        needed.setdefault(image_column, "image_column")
     fields = schema_fields(options)
     added = [output_column, *(row_column(output_column, c) for c in ROW_COLUMNS), *fields]
     if have is not None:
         check_columns(name, source_name, needed, added, have)
     key = dg.AssetKey([*(key_prefix or []), name])
+    described = asks.describe()
 
     @dg.asset(
         key=key,
@@ -247,7 +297,7 @@ def llm_batch_asset(
         group_name=group_name,
         io_manager_key=io_manager_key,
         kinds={"llm"},
-        description=f"LLM step over {source_name}: {prompt[:200]}",
+        description=f"LLM step over {source_name}: {described[:200]}",
         check_specs=[
             dg.AssetCheckSpec(
                 FAILED_ROWS_CHECK,
@@ -256,7 +306,7 @@ def llm_batch_asset(
                 description=f"At most {max_failed_share:.0%} of the rows failed or broke the answer format.",
             )
         ],
-        metadata={**inherited, **(metadata or {}), "anex/prompt": prompt, "anex/source": source_name},
+        metadata={**inherited, **(metadata or {}), "anex/prompt": described, "anex/source": source_name},
     )
     def _step(context: dg.AssetExecutionContext, table, anex_llm: LlmEngineResource):
         if partitions_def is None and _source_partitioned(context):
@@ -268,33 +318,35 @@ def llm_batch_asset(
         if isinstance(table, pl.LazyFrame):  # dagster-deltalake-polars loads a LazyFrame by default
             table = table.collect()
         arrow = as_arrow(table)
+        partition = context.partition_key if context.has_partition_key else None
         try:  # a source known only by key: checked now, before any engine loads
             check_columns(name, source_name, needed, added, arrow.column_names)
+            if arrow.num_rows == 0:
+                raise StepDefinitionError(
+                    f"LLM step {name!r}: source {source_name!r} gave 0 rows"
+                    + (f" for partition {partition}" if partition else "")
+                )
+            job_input = {PROMPT_COLUMN: asks.render(arrow)}
+            if image_column is not None:
+                job_input[IMAGE_COLUMN] = arrow.column(image_column)
         except StepDefinitionError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
-        partition = context.partition_key if context.has_partition_key else None
-        if arrow.num_rows == 0:
-            raise dg.Failure(
-                description=f"LLM step {name!r}: source {source_name!r} gave 0 rows"
-                + (f" for partition {partition}" if partition else ""),
-                allow_retries=False,
-            )
-        values = {c: arrow.column(c).to_pylist() for c in needed}
-        prompts = [prompt.format(**{c: values[c][i] for c in needed}) for i in range(arrow.num_rows)]
         try:
             run = run_step_job(
-                list(key.path),
-                partition,
-                pa.table({PROMPT_COLUMN: pa.array(prompts, pa.string())}),
-                options,
-                anex_llm,
-                anex_llm.step_work_root(),
+                list(key.path), partition, pa.table(job_input), options, anex_llm, anex_llm.step_work_root()
             )
         except JobRejected as exc:  # the rows, options or model refused before any engine loads
             raise dg.Failure(description=f"LLM step {name!r}: {exc.render()}", allow_retries=False) from None
         except (JobStopped, EngineLoadFailed) as exc:  # materializing again resumes from the checkpoints
             raise dg.Failure(description=f"LLM step {name!r} stopped: {exc}", allow_retries=False) from None
         added_columns = answer_columns(run, output_column, fields)
+        if postprocess is not None:
+            try:
+                more = postprocessed(name, postprocess, arrow, added_columns, [*arrow.column_names, *added])
+            except StepDefinitionError as exc:
+                raise dg.Failure(description=str(exc), allow_retries=False) from None
+            for column in more.column_names:
+                added_columns = added_columns.append_column(column, more.column(column))
         out = with_columns(table, added_columns)
         counts = run.report.request_counts
         bad = counts.failed + counts.format_error_rows
