@@ -34,6 +34,7 @@ from anex_pipeline_tests.harness import dagster_steps
 from anex_pipeline_tests.harness.dagster_steps import judge_step, labels_step, review_texts, reviews_asset
 from anex_pipeline_tests.harness.jobs import local_instance, real_engine_resource
 from anex_pipeline_tests.harness.media import png_bytes
+from anex_pipeline_tests.harness.tiny_models import write_config
 
 DEFS = Path(dagster_steps.__file__)
 
@@ -388,5 +389,54 @@ def test_a_users_function_failing_fails_the_step_in_one_line_naming_the_row(
     ],
 )
 def test_a_step_that_cannot_be_built_says_why_at_definition_load(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(StepDefinitionError, match=message):
+        llm_batch_asset(name="s", source="reviews", columns=["id", "text"], **arguments)
+
+
+def test_score_and_rerank_steps_give_scores_in_the_rows_order(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    @dg.asset(name="pairs")
+    def pairs() -> pl.DataFrame:
+        return pl.DataFrame(
+            {
+                "question": ["red apple pie", "blue sky today", "one two"],
+                "answer": ["red apple pie", "green grass below", "one three"],
+                "candidates": [["green grass", "red apple pie"], ["blue sky today"], ["x", "one two", "two"]],
+            }
+        )
+
+    cross = write_config(tmp_path / "cross", architectures=["BertForSequenceClassification"], num_labels=1)
+    score = LlmBatchComponent.resolve_from_yaml(
+        f"asset: scored\nsource: pairs\nprompt: '{{question}}'\ndocument: '{{answer}}'\nmodel: {cross}\n"
+        "output_column: score\noptions: {endpoint: score}\n"
+    )
+    rerank = llm_batch_asset(
+        name="ranked",
+        source="scored",
+        prompt="{question}",
+        documents_column="candidates",
+        options={"endpoint": "rerank", "model": str(cross)},
+    )
+    result = materialize([pairs, *dg.build_defs_for_component(score).assets, rerank], fake_llm(tmp_path), instance)
+    scored, ranked = result.output_for_node("scored"), result.output_for_node("ranked")
+    assert (
+        scored["score"].to_list() == [1.0, 0.0, pytest.approx(1 / 3)] and scored["score_error_type"].null_count() == 3
+    )
+    assert ranked["output"].to_list() == [[0.0, 1.0], [1.0], [0.0, 1.0, pytest.approx(0.5)]]
+    assert ranked["score"].to_list() == scored["score"].to_list() and ranked["prompt_tokens"].null_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"prompt": "{text}", "options": {"endpoint": "score"}}, "a score step pairs texts: give prompt"),
+        (
+            {"prompt": "{text}", "document": "{text}", "documents_column": "text", "options": {"endpoint": "rerank"}},
+            "takes documents_column, not document",
+        ),
+        ({"prompt": "{text}", "documents_column": "docs", "options": {"endpoint": "rerank"}}, "documents_column names"),
+        ({"prompt": "{text}", "document": "{text}"}, "document and documents_column are for score and rerank"),
+    ],
+)
+def test_a_scoring_step_that_cannot_be_built_says_why(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(StepDefinitionError, match=message):
         llm_batch_asset(name="s", source="reviews", columns=["id", "text"], **arguments)

@@ -115,6 +115,10 @@ class LlmBatchComponent(dg.Component, dg.Resolvable):
         list[dict[str, str]] | None,
         dg.Resolver.passthrough(description="Instead of prompt: messages of role and a content template each."),
     ] = None
+    document: Annotated[
+        str | None, dg.Resolver.passthrough(description="Score steps: the template of the text scored against prompt.")
+    ] = None
+    documents_column: Annotated[str | None, doc("Rerank steps: the column of each row's list of texts.")] = None
     system_prompt: Annotated[str | None, dg.Resolver.passthrough(description="A system message for every row.")] = None
     # default_factory, not a default: a default would stand as the class attribute `model` and hide
     # Resolvable.model(), the classmethod Dagster builds the YAML schema with.
@@ -154,6 +158,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable):
             source=source,
             prompt=self.prompt,
             messages=self.messages,
+            document=self.document,
+            documents_column=self.documents_column,
             options=self.options,
             system_prompt=self.system_prompt,
             model=self.model,

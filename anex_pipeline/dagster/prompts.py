@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 
 from anex_pipeline.errors import AnexError, ExitCode
+from anex_pipeline.request_fields import SCORING
 
 ROLES = ("system", "user", "assistant")
 Preprocess = Callable[[dict[str, Any]], Any]
@@ -54,6 +55,11 @@ class StepPrompt:
     prompt: str | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
     preprocess: Preprocess | None = None
+    # score and rerank rows pair texts: ``prompt`` is the query, ``document`` (score) the template
+    # of the one text paired with it, ``documents_column`` (rerank) a column of a list of texts
+    endpoint: str | None = None
+    document: str | None = None
+    documents_column: str | None = None
 
     @classmethod
     def of(
@@ -62,7 +68,17 @@ class StepPrompt:
         prompt: str | None,
         messages: Sequence[Mapping[str, str]] | None,
         preprocess: Preprocess | None,
+        endpoint: str | None = None,
+        document: str | None = None,
+        documents_column: str | None = None,
     ) -> StepPrompt:
+        if endpoint in SCORING:
+            return cls._scoring(asset, prompt, messages, preprocess, endpoint, document, documents_column)
+        if document is not None or documents_column is not None:
+            raise StepDefinitionError(
+                f"LLM step {asset!r}: document and documents_column are for score and rerank steps; "
+                "set options.endpoint to score or rerank, or remove them"
+            )
         given = [
             name for name, value in (("prompt", prompt), ("messages", messages), ("preprocess", preprocess)) if value
         ]
@@ -82,10 +98,46 @@ class StepPrompt:
                         f"LLM step {asset!r}: messages[{n}] needs a role of {', '.join(ROLES)} and a text content"
                     )
             messages = tuple(dict(m) for m in messages)
-        return cls(asset, prompt, messages, preprocess)
+        return cls(asset, prompt, messages, preprocess, endpoint)
+
+    @classmethod
+    def _scoring(
+        cls,
+        asset: str,
+        prompt: str | None,
+        messages: Any,
+        preprocess: Any,
+        endpoint: str,
+        document: str | None,
+        documents_column: str | None,
+    ) -> StepPrompt:
+        other = "document" if endpoint == "score" else "documents_column"
+        if not prompt or messages or preprocess or (document if endpoint == "score" else documents_column) is None:
+            raise StepDefinitionError(
+                f"LLM step {asset!r}: a {endpoint} step pairs texts: give prompt (the query's template) and "
+                f"{other}"
+                + (
+                    " (the template of the text scored against it)"
+                    if endpoint == "score"
+                    else " (a column holding each row's list of texts)"
+                )
+                + ", and no messages or preprocess"
+            )
+        if (document if endpoint == "rerank" else documents_column) is not None:
+            raise StepDefinitionError(
+                f"LLM step {asset!r}: a {endpoint} step takes {other}, not "
+                + ("document" if endpoint == "rerank" else "documents_column")
+            )
+        return cls(asset, prompt, None, None, endpoint, document, documents_column)
 
     def columns(self) -> list[str] | None:
         """The source columns the templates read; None for a preprocess function (any of them)."""
+        if self.document is not None:
+            found = template_columns(self.asset, self.prompt or "")
+            return found + [c for c in template_columns(self.asset, self.document, "document") if c not in found]
+        if self.documents_column is not None:
+            found = template_columns(self.asset, self.prompt or "")
+            return found + ([] if self.documents_column in found else [self.documents_column])
         if self.prompt is not None:
             return template_columns(self.asset, self.prompt)
         if self.messages is not None:
@@ -98,6 +150,10 @@ class StepPrompt:
         return None
 
     def describe(self) -> str:
+        if self.document is not None:
+            return f"score {self.prompt} against {self.document}"
+        if self.documents_column is not None:
+            return f"rerank {self.documents_column} for {self.prompt}"
         if self.prompt is not None:
             return self.prompt
         if self.messages is not None:
@@ -115,6 +171,15 @@ class StepPrompt:
             return pa.array([self.prompt.format(**row) for row in rows], pa.string())
         messages = self.messages or ()
         return pa.array([[{**m, "content": m["content"].format(**row)} for m in messages] for row in rows])
+
+    def scoring_bodies(self, table: pa.Table) -> list[dict[str, Any]]:
+        """Each row's score (``text_1``, ``text_2``) or rerank (``query``, ``documents``) request."""
+        rows = table.select(self.columns() or []).to_pylist()
+        query = self.prompt or ""
+        if self.document is not None:
+            return [{"text_1": query.format(**row), "text_2": self.document.format(**row)} for row in rows]
+        column = self.documents_column or ""
+        return [{"query": query.format(**row), "documents": row[column]} for row in rows]
 
     def _preprocessed(self, table: pa.Table) -> pa.Array:
         made: list[Any] = []

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from anex_pipeline.engine.loader import schedules_by_priority
 from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.resources import EngineResource
-from anex_pipeline.spec import JobReport
+from anex_pipeline.spec import URL_BY_ENDPOINT, JobReport
 from anex_pipeline.stages.estimate import estimate_lengths
 from anex_pipeline.stages.fetch_media import fetch_shard
 from anex_pipeline.stages.generate import ShardSummary, run_shard
@@ -56,29 +57,40 @@ def step_job_id(asset_path: list[str], partition: str | None, digest: str) -> st
 def run_step_job(
     asset_path: list[str],
     partition: str | None,
-    prompts: pa.Table,
+    job_input: pa.Table | list[dict[str, Any]],
     options: dict[str, Any],
     engine: EngineResource,
     work_root: Path,
 ) -> StepRun:
-    """Runs (or resumes) the job of ``prompts`` (a table with a ``prompt`` column) on ``engine``."""
+    """Runs (or resumes) the job of ``job_input`` on ``engine``: a table with a ``prompt`` column
+    (a Parquet job), or the request bodies of score or rerank rows (a JSONL job, since a Parquet
+    row holds one prompt)."""
     staging = work_root.parent / f"{work_root.name}-llm-steps"
     staging.mkdir(parents=True, exist_ok=True)
-    pending = staging / f".input-{'_'.join(asset_path)}-{partition or ''}.parquet"
-    pq.write_table(prompts, pending)
+    suffix = "parquet" if isinstance(job_input, pa.Table) else "jsonl"
+    pending = staging / f".input-{'_'.join(asset_path)}-{partition or ''}.{suffix}"
+    if isinstance(job_input, pa.Table):
+        pq.write_table(job_input, pending)
+        options = {**options, "prompt_column": PROMPT_COLUMN}
+    else:
+        url = URL_BY_ENDPOINT[options["endpoint"]]
+        with pending.open("wb") as out:
+            for n, body in enumerate(job_input):
+                out.write(msgspec.json.encode({"custom_id": str(n), "method": "POST", "url": url, "body": body}))
+                out.write(b"\n")
     digest = hashlib.sha256(pending.read_bytes() + repr(sorted(options.items())).encode()).hexdigest()
     job_id = step_job_id(asset_path, partition, digest)
     folder = staging / job_id
     folder.mkdir(exist_ok=True)
-    input_path = folder / "input.parquet"
+    input_path = folder / f"input.{suffix}"
     shutil.move(pending, input_path)
     job = JobDir(work_root, job_id)
     resumed = job.exists()
     if not resumed:
         job = prepare_job(
             input_path,
-            str(folder / "result.parquet"),
-            job_options({**options, "prompt_column": PROMPT_COLUMN}),  # embeddings' too
+            str(folder / f"result.{suffix}"),
+            job_options(options),
             work_root,
             job_id=job_id,
             local_model=not engine.base_url,
@@ -103,4 +115,31 @@ def run_step_job(
         record_timing(job, "engine_wait", summary.engine_wait_s)
         record_timing(job, "generate", summary.seconds - summary.engine_wait_s)
     report = merge_job(job)
-    return StepRun(job, report, pq.read_table(job.result_path), shards, resumed)
+    result = pq.read_table(job.result_path) if suffix == "parquet" else scoring_table(job.result_path)
+    return StepRun(job, report, result, shards, resumed)
+
+
+def scoring_table(path: Path) -> pa.Table:
+    """A score or rerank job's JSONL result as the columns of a Parquet result: ``output`` (a
+    row's score, or a rerank row's relevance scores in its documents' order), ``error_type`` and
+    ``prompt_tokens``; lines are in the input's order."""
+    outputs: list[Any] = []
+    errors: list[str | None] = []
+    tokens: list[int | None] = []
+    with path.open("rb") as lines:
+        for line in lines:
+            row = msgspec.json.decode(line)
+            body = (row.get("response") or {}).get("body")
+            if body is None:
+                outputs.append(None)
+                errors.append((row.get("error") or {}).get("code") or "error")
+                tokens.append(None)
+                continue
+            if "results" in body:  # rerank: sorted by score, each with its document's index
+                by_index = {r["index"]: r["relevance_score"] for r in body["results"]}
+                outputs.append([by_index.get(n) for n in range(len(by_index))])
+            else:
+                outputs.append(body["data"][0]["score"])
+            errors.append(None)
+            tokens.append((body.get("usage") or {}).get("prompt_tokens"))
+    return pa.table({"output": outputs, "error_type": pa.array(errors, pa.string()), "prompt_tokens": tokens})

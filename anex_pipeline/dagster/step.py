@@ -15,6 +15,7 @@ from anex_pipeline.dagster.prompts import Preprocess, StepDefinitionError, StepP
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
 from anex_pipeline.dagster.stages import IMAGE_COLUMN, PROMPT_COLUMN, StepRun, run_step_job
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
+from anex_pipeline.request_fields import SCORING
 from anex_pipeline.spec import JobRejected
 
 FAILED_ROWS_CHECK = "llm_failed_rows"
@@ -227,6 +228,8 @@ def llm_batch_asset(
     messages: Sequence[Mapping[str, str]] | None = None,
     preprocess: Preprocess | None = None,
     postprocess: Postprocess | None = None,
+    document: str | None = None,
+    documents_column: str | None = None,
     options: Mapping[str, Any] | None = None,
     system_prompt: str | None = None,
     model: str | None = None,
@@ -255,15 +258,22 @@ def llm_batch_asset(
     ``postprocess(row, answer)``, given the row and a dict of the columns the step adds for it,
     returns a dict of more columns, added after them.
 
+    With ``endpoint`` ``score`` in ``options``, ``prompt`` is the query's template and ``document``
+    the template of the text scored against it: the output column holds the score. With
+    ``rerank``, ``documents_column`` names a column holding each row's list of texts: the output
+    column holds their relevance scores, in the documents' order.
+
     ``source`` given as the asset object itself gives the step its partitions, ``partition_expr``
     and (from ``dagster/column_schema``) its columns, which are then checked here, at definition
     load; a source given by key is checked when the step first runs, before any engine loads
     (``columns=`` declares them ahead). The step's check ``llm_failed_rows`` fails when more than
     ``max_failed_share`` of the rows failed or broke the answer format; ``blocking`` stops the
     assets downstream of it then."""
-    asks = StepPrompt.of(name, prompt, messages, preprocess)
     options = step_options(name, options, system_prompt=system_prompt, model=model, adapter=adapter)
+    asks = StepPrompt.of(name, prompt, messages, preprocess, options.get("endpoint"), document, documents_column)
     if image_column is not None:
+        if asks.endpoint in SCORING:
+            raise StepDefinitionError(f"LLM step {name!r}: a {asks.endpoint} step scores texts; remove image_column")
         options["image_column"] = IMAGE_COLUMN
     inherited: dict[str, Any] = {}
     have = list(columns) if columns is not None else None
@@ -279,10 +289,12 @@ def llm_batch_asset(
     else:
         source_key = dg.AssetKey.from_user_string(source) if isinstance(source, str) else source
     source_name = source_key.to_user_string()
-    named_by = "the prompt" if prompt is not None else "a message"
+    named_by = "a message" if messages is not None else "the prompt" if document is None else "the prompt or document"
     needed = {column: named_by for column in asks.columns() or []}
     if image_column is not None:
         needed.setdefault(image_column, "image_column")
+    if documents_column is not None:
+        needed[documents_column] = "documents_column"
     fields = schema_fields(options)
     added = [output_column, *(row_column(output_column, c) for c in ROW_COLUMNS), *fields]
     if have is not None:
@@ -326,15 +338,17 @@ def llm_batch_asset(
                     f"LLM step {name!r}: source {source_name!r} gave 0 rows"
                     + (f" for partition {partition}" if partition else "")
                 )
-            job_input = {PROMPT_COLUMN: asks.render(arrow)}
-            if image_column is not None:
-                job_input[IMAGE_COLUMN] = arrow.column(image_column)
+            if asks.endpoint in SCORING:
+                job_input: pa.Table | list[dict[str, Any]] = asks.scoring_bodies(arrow)
+            else:
+                columns = {PROMPT_COLUMN: asks.render(arrow)}
+                if image_column is not None:
+                    columns[IMAGE_COLUMN] = arrow.column(image_column)
+                job_input = pa.table(columns)
         except StepDefinitionError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         try:
-            run = run_step_job(
-                list(key.path), partition, pa.table(job_input), options, anex_llm, anex_llm.step_work_root()
-            )
+            run = run_step_job(list(key.path), partition, job_input, options, anex_llm, anex_llm.step_work_root())
         except JobRejected as exc:  # the rows, options or model refused before any engine loads
             raise dg.Failure(description=f"LLM step {name!r}: {exc.render()}", allow_retries=False) from None
         except (JobStopped, EngineLoadFailed) as exc:  # materializing again resumes from the checkpoints
