@@ -29,6 +29,7 @@ from anex_pipeline.dagster import (
     llm_batch_asset,
 )
 from anex_pipeline.dagster.step import ROW_COLUMNS
+from anex_pipeline.orchestration.job_admin import delete_job, list_jobs
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness import dagster_steps
 from anex_pipeline_tests.harness.dagster_steps import judge_step, labels_step, review_texts, reviews_asset
@@ -299,9 +300,8 @@ def step_failure(result: Any) -> str:
 
 def job_input(llm: LlmEngineResource, result: Any, node: str) -> pa.Table:
     """The input file of the job a step ran: what its rows sent."""
-    job_id = metadata(result, node)["job_id"]
-    staging = Path(llm.step_work_root()).parent / f"{Path(llm.step_work_root()).name}-llm-steps"
-    return pq.read_table(staging / job_id / "input.parquet")
+    job = JobDir(llm.step_work_root(), metadata(result, node)["job_id"])
+    return pq.read_table(job.step_files / "input.parquet")
 
 
 def test_messages_system_prompt_and_an_image_column_reach_the_rows(
@@ -440,3 +440,17 @@ def test_score_and_rerank_steps_give_scores_in_the_rows_order(tmp_path: Path, in
 def test_a_scoring_step_that_cannot_be_built_says_why(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(StepDefinitionError, match=message):
         llm_batch_asset(name="s", source="reviews", columns=["id", "text"], **arguments)
+
+
+def test_deleting_a_steps_job_removes_its_rendered_input(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    llm = fake_llm(tmp_path)
+    result = materialize(
+        [reviews_asset(2), llm_batch_asset(name="answers", source="reviews", prompt="{text}")], llm, instance
+    )
+    job = JobDir(llm.step_work_root(), metadata(result, "answers")["job_id"])
+    assert (job.step_files / "input.parquet").exists() and job.result_path.exists()
+    assert [entry.job_id for entry in list_jobs(instance, llm.step_work_root())] == [job.job_id]
+    delete_job(instance, job)
+    assert not job.root.exists() and not job.step_files.exists()

@@ -27,6 +27,7 @@ from anex_pipeline.stages.generate_answer_store import open_store
 from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import load_interruptibly, stopping_on_signals
+from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline.workdir.timing import record_timing
 
@@ -65,7 +66,7 @@ def run_step_job(
     """Runs (or resumes) the job of ``job_input`` on ``engine``: a table with a ``prompt`` column
     (a Parquet job), or the request bodies of score or rerank rows (a JSONL job, since a Parquet
     row holds one prompt)."""
-    staging = work_root.parent / f"{work_root.name}-llm-steps"
+    staging = work_root / layout.STEP_FILES_DIR
     staging.mkdir(parents=True, exist_ok=True)
     suffix = "parquet" if isinstance(job_input, pa.Table) else "jsonl"
     pending = staging / f".input-{'_'.join(asset_path)}-{partition or ''}.{suffix}"
@@ -80,11 +81,11 @@ def run_step_job(
                 out.write(b"\n")
     digest = hashlib.sha256(pending.read_bytes() + repr(sorted(options.items())).encode()).hexdigest()
     job_id = step_job_id(asset_path, partition, digest)
-    folder = staging / job_id
+    job = JobDir(work_root, job_id)
+    folder = job.step_files
     folder.mkdir(exist_ok=True)
     input_path = folder / f"input.{suffix}"
     shutil.move(pending, input_path)
-    job = JobDir(work_root, job_id)
     resumed = job.exists()
     if not resumed:
         job = prepare_job(
@@ -93,6 +94,7 @@ def run_step_job(
             job_options(options),
             work_root,
             job_id=job_id,
+            results_in=staging,
             local_model=not engine.base_url,
             adapters=engine.lora_modules,
             priority=schedules_by_priority(engine),
