@@ -29,6 +29,8 @@ from anex_pipeline.dagster import (
     llm_batch_asset,
 )
 from anex_pipeline.dagster.step import ROW_COLUMNS
+from anex_pipeline.engine import loader
+from anex_pipeline.engine.models import DEFAULT_EMBEDDING_MODEL
 from anex_pipeline.orchestration.job_admin import delete_job, list_jobs
 from anex_pipeline.workdir.manifest import JobDir
 from anex_pipeline_tests.harness import dagster_steps
@@ -208,14 +210,37 @@ def test_sigkill_during_generation_then_materialize_again_generates_no_checkpoin
 
 
 @pytest.mark.engine
-def test_two_steps_on_the_real_engine(tmp_path: Path) -> None:
-    """The YAML step labels with a JSON schema, the Python step judges the label, on vLLM (the
-    session's engine: the same settings as real_engine_resource, kept loaded)."""
+def test_three_steps_on_two_real_models_load_each_engine_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The YAML step labels with a JSON schema and the Python step judges the label, on the
+    embedded chat model (the session's engine: the same settings as real_engine_resource, kept
+    loaded); a third step embeds the judged texts with the embedded embedding model. Each model's
+    engine is loaded once in the run, and each step's report is its own."""
     llm = LlmEngineResource(
         **{**real_engine_resource().model_dump(), "keep_loaded": True, "work_root": str(tmp_path / "work")}
     )
+    engines: dict[str, set[int]] = {}
+    vllm_factory = loader._factories["vllm"]
+
+    def counted(config: Any, manifest: Any) -> Any:
+        engine = vllm_factory(config, manifest)
+        engines.setdefault(engine.model_name, set()).add(id(engine))
+        return engine
+
+    monkeypatch.setitem(loader._factories, "vllm", counted)
+    embed = llm_batch_asset(
+        name="verdict_vectors",
+        source="label_check",
+        prompt="{text} / {verdict}",
+        output_column="vector",
+        options={"endpoint": "embeddings", "model": DEFAULT_EMBEDDING_MODEL},
+    )
     with local_instance() as instance:
-        result = materialize([reviews_asset(4), *labels_step(), judge_step()], llm, instance)
+        result = materialize([reviews_asset(4), *labels_step(), judge_step(), embed], llm, instance)
+    assert len(engines) == 2 and all(len(objects) == 1 for objects in engines.values())
+    vectors = result.output_for_node("verdict_vectors")
+    assert vectors["vector"].null_count() == 0 and len(vectors["vector"][0]) == 384
+    models = {node: metadata(result, node)["report"]["engine"]["model"] for node in ("label_check", "verdict_vectors")}
+    assert models["label_check"] != models["verdict_vectors"]
     checked = result.output_for_node("label_check")
     assert checked["id"].to_list() == [0, 1, 2, 3] and checked["text"].to_list() == review_texts(4)
     assert set(checked["label"].to_list()) <= {"positive", "negative", "neutral"}
@@ -442,9 +467,7 @@ def test_a_scoring_step_that_cannot_be_built_says_why(arguments: dict[str, Any],
         llm_batch_asset(name="s", source="reviews", columns=["id", "text"], **arguments)
 
 
-def test_deleting_a_steps_job_removes_its_rendered_input(
-    tmp_path: Path, instance: dg.DagsterInstance
-) -> None:
+def test_deleting_a_steps_job_removes_its_rendered_input(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     llm = fake_llm(tmp_path)
     result = materialize(
         [reviews_asset(2), llm_batch_asset(name="answers", source="reviews", prompt="{text}")], llm, instance
