@@ -43,10 +43,10 @@ from anex_pipeline.engine.loader import engine_key
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
-from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
+from anex_pipeline.stages.merge_partial import with_unrun_lines
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, read_report
@@ -442,11 +442,6 @@ def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[bytes, bool]
                 yield line, json.loads(line)["error"] is not None
             return
         error = RowError(message=UNRUN[unrun], type=RowErrorType.BATCH, code=unrun).as_dict()
-        for shard in range(len(job.manifest().shards)):
-            answered = {o.i for o in job.outcomes(shard)}  # the rows the result has a line for
-            for row in job.read_requests(shard):
-                if row.index in answered:
-                    line = next(src)
-                    yield line, json.loads(line)["error"] is not None
-                else:
-                    yield unanswered_line(row.key, error), True
+        # the rows the result has a line for, and every request, shard by shard
+        shards = (({o.i for o in job.outcomes(n)}, job.read_requests(n)) for n in range(len(job.manifest().shards)))
+        yield from with_unrun_lines(src, shards, error)

@@ -1,4 +1,4 @@
-"""What the commands that run jobs do (``run``, ``backfill``, ``validate``, ``report``, ``serve``),
+"""What the commands that run jobs do (``run``, ``backfill``, ``validate``, ``results``, ``report``, ``serve``),
 one function per command, and the runner they share; the commands that look after jobs are in
 :mod:`anex_pipeline.cli.admin_commands`."""
 
@@ -295,6 +295,40 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
     if count == 0:
         raise JobRejected([Problem(f"input file {args.input} has no rows")])
     print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")
+    return ExitCode.OK
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    """The rows a job has finished so far, in input order, in the job's format; the job may be
+    running (see :mod:`anex_pipeline.stages.merge_partial`)."""
+    from anex_pipeline.formats.registry import FORMATS
+    from anex_pipeline.paths import default_work_root
+    from anex_pipeline.stages.merge_partial import write_finished_rows
+    from anex_pipeline.stages.submit import check_destinations, default_report_path
+    from anex_pipeline.storage import is_s3
+    from anex_pipeline.workdir.manifest import JobDir
+
+    work_root = Path(args.work_dir or default_work_root()).expanduser()
+    try:
+        job = JobDir(work_root, args.job_id)
+    except ValueError as exc:  # not a name a job folder can have
+        raise UsageError(f"no job {args.job_id[:80]!r}: {exc}") from None
+    if not job.exists():
+        raise UsageError(f"no job {args.job_id} under {work_root}; `anex-pipeline list` shows the jobs")
+    manifest = job.manifest()
+    kind = FORMATS[manifest.format]
+    if is_s3(args.output):
+        raise UsageError(f"-o {args.output}: results are written to a local file; copy it to S3 afterwards")
+    if not args.output.endswith(kind.suffix):
+        raise UsageError(f"job {args.job_id} is a {kind.title} job: name a {kind.suffix} file with -o")
+    out = Path(args.output).expanduser()
+    check_destinations(Path(manifest.input), str(out), default_report_path(str(out)), work_root=work_root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        counts = write_finished_rows(job, out, pending=args.pending)
+    except OSError as exc:
+        raise UsageError(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from None
+    print(counts.line(out, args.pending), file=sys.stderr)
     return ExitCode.OK
 
 

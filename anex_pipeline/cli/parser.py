@@ -246,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(back)
     _engine_flags(back)
 
+    res = sub.add_parser(
+        "results", help="write the rows a job has finished so far (it may still be running), in input order"
+    )
+    res.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")
+    res.add_argument(
+        "-o", "--output", required=True, help="file to write, in the job's format (.jsonl or .parquet, as its input)"
+    )
+    res.add_argument(
+        "--pending",
+        action="store_true",
+        help="also write the rows that have not run yet, marked: an error of type 'pending' (default: left out)",
+    )
+    _work_dir_flag(res)
+
     rep = sub.add_parser("report", help="print the report of a finished job")
     rep.add_argument("path", help="the result file or its .report.json")
 
