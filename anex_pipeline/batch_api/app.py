@@ -53,6 +53,7 @@ from anex_pipeline.spec import (
     MediaOptions,
     RequestCounts,
 )
+from anex_pipeline.stages.merge_partial import write_finished_rows
 from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
@@ -62,6 +63,11 @@ MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
 MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) page of files
 MAX_BATCHES_PAGE = 100  # OpenAI's largest page of batches
+# A running batch's rows finished so far: a file id that a batch shows as partial_output_file_id
+# while it runs, read with GET /v1/files/{id}/content (the SDK's files.content). Its lines are the
+# output file's lines, successes and failures together, in input order; the final output and
+# error files are OpenAI's, untouched.
+PARTIAL = "file-partial-"
 
 
 class BatchApi:
@@ -152,8 +158,30 @@ class BatchApi:
         return JSONResponse(record.public())
 
     async def file_content(self, request: Request) -> Response:
+        if (batch_id := partial_batch_id(request.path_params["file_id"])) is not None:
+            return await run_in_threadpool(self._partial_content, request, batch_id)
         record = await run_in_threadpool(self._file, request)
         return FileResponse(self.store.content_path(record.id), media_type="application/octet-stream")
+
+    def _partial_content(self, request: Request, batch_id: str) -> Response:
+        """The rows the batch's job has finished so far, in input order, as batch output lines
+        (successes and failures together); the header ``anex-partial`` says ``true`` until the batch
+        has finished. Another key's batch, or a batch that has no job yet or no longer one, is a 404."""
+        file_id = request.path_params["file_id"]
+        record = self.store.batch(batch_id, self.owner(request))
+        if record is None or record.job_id is None:
+            raise not_found("file", file_id)
+        job = self.worker.runner.storage.job(record.job_id)
+        if not job.exists():
+            raise not_found("file", file_id)
+        path = self.store.scratch(f"{new_id('partial_')}.jsonl")
+        try:
+            write_finished_rows(job, path)
+            body = path.read_bytes()
+        finally:
+            path.unlink(missing_ok=True)
+        headers = {"anex-partial": "false" if record.finished else "true"}
+        return Response(body, media_type="application/octet-stream", headers=headers)
 
     def _file(self, request: Request) -> Any:
         file_id = request.path_params["file_id"]
@@ -284,9 +312,16 @@ class BatchApi:
             log.exception("batch %s: its job's progress cannot be read", record.id)
             counts, usage = RequestCounts(), None
         shown = record.public(counts, usage)
+        if record.job_id is not None and not record.finished:  # the rows finished so far, as a file (see PARTIAL)
+            shown["partial_output_file_id"] = PARTIAL + record.id
         if with_results and record.embedded and record.finished:
             shown["results"] = self.worker.results(record)
         return shown
+
+
+def partial_batch_id(file_id: str) -> str | None:
+    """The batch whose finished rows a file id names (``file-partial-<batch id>``), else None."""
+    return file_id.removeprefix(PARTIAL) if file_id.startswith(PARTIAL) else None
 
 
 def page_limit(request: Request, default: int, most: int) -> int:
