@@ -276,25 +276,38 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
-    from anex_pipeline.engine.adapters import adapter_problems
-    from anex_pipeline.spec import JobRejected, Problem
-    from anex_pipeline.stages.submit import Problems, check_input, model_problems
+    from anex_pipeline.stages.submit import accepted_rows
 
-    kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
     local = not settings.ENGINE_BASE_URL.get()
-    problems = Problems((model_problems(options.model) if local else []) + adapter_problems(options, endpoint, local))
-    count = 0
-    for item in rows:
-        if isinstance(item, Problem):
-            problems.add(item)
-        else:
-            count += 1
-    if problems:
-        raise problems.rejection()
-    if count == 0:
-        raise JobRejected([Problem(f"input file {args.input} has no rows")])
+    if args.quote:
+        return _quote(args, options, path, local)
+    kind, endpoint, rows = accepted_rows(path, options, local_model=local)
+    count = sum(1 for _ in rows)
     print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")
+    return ExitCode.OK
+
+
+def _quote(args: argparse.Namespace, options: Any, path: Path, local: bool) -> int:
+    """``validate --quote``: the quote on one screen (or JSON), kept for the report of the job's run."""
+    from anex_pipeline.engine.config import EngineConfig
+    from anex_pipeline.paths import default_work_root
+    from anex_pipeline.stages.quote import make_quote, quote_lines
+    from anex_pipeline.storage import is_s3
+    from anex_pipeline.workdir.manifest import file_sha256, make_job_id
+    from anex_pipeline.workdir.quotes import save_quote
+
+    work_root = Path(args.work_dir or default_work_root()).expanduser()
+    engine = EngineConfig(base_url=settings.ENGINE_BASE_URL.get() or None)
+    quote = make_quote(path, options, work_root, engine, local_model=local)
+    if not is_s3(args.input):  # the id `run` gives the same input and options
+        job_id = make_job_id(path, file_sha256(path), options.model_dump(exclude_defaults=True))
+        with contextlib.suppress(OSError):
+            save_quote(work_root, job_id, quote)
+    if args.json:
+        print(quote.model_dump_json(indent=2))
+    else:
+        print("\n".join(quote_lines(quote)))
     return ExitCode.OK
 
 

@@ -234,7 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="check an input file and its options without running it")
     val.add_argument("input")
+    val.add_argument(
+        "--quote",
+        action="store_true",
+        help="also say what the job would take: prompt tokens (the model's tokenizer), expected output tokens, "
+        "engine time and cost, from what earlier jobs of the work folder measured; loads no engine",
+    )
+    val.add_argument("--json", action="store_true", help="with --quote: print the quote as JSON")
     _add_option_flags(val)
+    _work_dir_flag(val)
 
     back = sub.add_parser("backfill", help="rerun chosen shards of a job, or every shard with failed or missing rows")
     back.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")

@@ -33,14 +33,86 @@ class RequestProblem(AnexError):
         self.code = code
 
 
-class PromptRenderer:
+class TextPrompts:
+    """Renders and tokenises text rows with a model's tokenizer alone, as the engine does: a chat
+    row through the model's chat template, a completions prompt as it is. ``context``: the
+    model's context length, which ``truncate_prompt_tokens: -1`` keeps (None: not known, no cut)."""
+
+    def __init__(self, tokenizer: Any, model_name: str, context: int | None = None):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.context = context
+
+    def prompt_ids(self, req: EngineRequest) -> list[int]:
+        """The token ids of the row's prompt as the model sees it; raises RequestProblem for a row
+        that cannot be rendered (media parts included: their tokens are the model processor's)."""
+        return self._truncated(req, self._rendered_ids(req))
+
+    def _truncated(self, req: EngineRequest, ids: list[int]) -> list[int]:
+        """The prompt cut to the row's ``truncate_prompt_tokens`` (-1: the model's context), as
+        vLLM's renderer cuts it: the last tokens kept when the tokenizer truncates on the left, else
+        the first (Hugging Face's default side is the right)."""
+        keep = req.body.get("truncate_prompt_tokens")
+        if keep is None:
+            return ids
+        context = self.context
+        if keep == -1:
+            if context is None:
+                return ids
+            keep = context
+        if context is not None and keep > context:
+            raise RequestProblem(
+                f"truncate_prompt_tokens is {keep} but the model's context holds {context}; "
+                f"set it to at most {context}, or -1 for the whole context",
+                "truncate_prompt_tokens",
+            )
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if getattr(self.tokenizer, "truncation_side", None) == "left" else ids[:keep]
+
+    def _rendered_ids(self, req: EngineRequest) -> list[int]:
+        if req.endpoint == "chat":
+            messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=req.body.get("tools"),
+                    tokenize=False,
+                    **req.template_arguments,
+                )
+            except Exception as exc:  # the template itself refused the conversation
+                raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        prompt = one_prompt(req.body["prompt"])
+        return list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
+
+    def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        texts = []
+        for p, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+            elif kind in MEDIA_PART_TYPES:
+                raise RequestProblem(
+                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
+                    "remove the part or run the job on a multimodal model",
+                    f"messages[{n}].content[{p}]",
+                )
+            else:
+                raise RequestProblem(f"unknown content part type {kind!r}", f"messages[{n}].content[{p}].type")
+        return {**message, "content": "".join(texts)}
+
+
+class PromptRenderer(TextPrompts):
     """Renders and tokenises rows for one loaded ``vllm.LLM``."""
 
     def __init__(self, llm: Any, model_name: str):
-        self.llm = llm
-        self.tokenizer = llm.get_tokenizer()
-        self.model_name = model_name
         config = llm.llm_engine.model_config
+        super().__init__(llm.get_tokenizer(), model_name, config.max_model_len)
+        self.llm = llm
         self.multimodal = bool(getattr(config, "is_multimodal_model", False))
         self.modalities = _modalities(llm) if self.multimodal else frozenset()
         self.audio_rate = _fixed_audio_rate(llm) if "audio" in self.modalities else None
@@ -83,42 +155,6 @@ class PromptRenderer:
             return ids
         return self._truncated(req, self._rendered_ids(req))
 
-    def _truncated(self, req: EngineRequest, ids: list[int]) -> list[int]:
-        """The prompt cut to the row's ``truncate_prompt_tokens`` (-1: the model's context), as
-        vLLM's renderer cuts it: the last tokens kept when the tokenizer truncates on the left, else
-        the first (Hugging Face's default side is the right)."""
-        keep = req.body.get("truncate_prompt_tokens")
-        if keep is None:
-            return ids
-        context = self.llm.llm_engine.model_config.max_model_len
-        if keep == -1:
-            keep = context
-        if keep > context:
-            raise RequestProblem(
-                f"truncate_prompt_tokens is {keep} but the model's context holds {context}; "
-                f"set it to at most {context}, or -1 for the whole context",
-                "truncate_prompt_tokens",
-            )
-        if len(ids) <= keep:
-            return ids
-        return ids[len(ids) - keep :] if getattr(self.tokenizer, "truncation_side", None) == "left" else ids[:keep]
-
-    def _rendered_ids(self, req: EngineRequest) -> list[int]:
-        if req.endpoint == "chat":
-            messages = [self._text_message(n, m) for n, m in enumerate(req.body["messages"])]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=req.body.get("tools"),
-                    tokenize=False,
-                    **req.template_arguments,
-                )
-            except Exception as exc:  # the template itself refused the conversation
-                raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        prompt = one_prompt(req.body["prompt"])
-        return list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
-
     def _has_media(self, messages: list[dict[str, Any]]) -> bool:
         """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
         the model cannot read or a sound it cannot decode, as vLLM's own refusal would not name
@@ -138,25 +174,6 @@ class PromptRenderer:
                 raise RequestProblem(problem, f"messages[{n}].content[{p}]")
             found = True
         return found
-
-    def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
-        content = message.get("content")
-        if not isinstance(content, list):
-            return message
-        texts = []
-        for p, part in enumerate(content):
-            kind = part.get("type")
-            if kind == "text":
-                texts.append(str(part.get("text", "")))
-            elif kind in MEDIA_PART_TYPES:
-                raise RequestProblem(
-                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
-                    "remove the part or run the job on a multimodal model",
-                    f"messages[{n}].content[{p}]",
-                )
-            else:
-                raise RequestProblem(f"unknown content part type {kind!r}", f"messages[{n}].content[{p}].type")
-        return {**message, "content": "".join(texts)}
 
 
 def _modalities(llm: Any) -> frozenset[str]:
