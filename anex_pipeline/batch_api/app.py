@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import tempfile
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,9 +34,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from anex_pipeline import metrics
 from anex_pipeline.batch_api.requests import ServedModels, batch_options, completion_window_s, upload_expiry
 from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
-from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
+from anex_pipeline.batch_api.worker import MAX_ERRORS, MAX_RUNNING, BatchWorker
 from anex_pipeline.batches.objects import (
     ApiError,
+    BatchError,
     BatchRecord,
     CreateBatch,
     FileRecord,
@@ -45,15 +47,18 @@ from anex_pipeline.batches.objects import (
 )
 from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.job_admin import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
     INVALID_JSON,
     MISSING_PARAMETER,
+    JobRejected,
     MediaOptions,
     RequestCounts,
 )
 from anex_pipeline.stages.merge_partial import write_finished_rows
+from anex_pipeline.stages.quote import make_quote
 from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
@@ -208,13 +213,62 @@ class BatchApi:
             param = ".".join(str(p) for p in first["loc"]) or None
             raise ApiError(400, f"'{param}': {first['msg']}", param=param, code=pydantic_code(first["type"])) from None
         idempotency_key = request.headers.get("idempotency-key")
-        record = await run_in_threadpool(self._create_batch, owner, body, idempotency_key)
+        options, dry_run = batch_options(body, self.media, self.models, self.max_job_tokens)
+        if dry_run:
+            return JSONResponse(await run_in_threadpool(self._dry_run, owner, body, options))
+        record = await run_in_threadpool(self._create_batch, owner, body, options, idempotency_key)
         return JSONResponse(await run_in_threadpool(self.show, record))
 
-    def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
+    def _dry_run(self, owner: str, body: CreateBatch, options: dict[str, Any]) -> dict[str, Any]:
+        """A batch that is quoted, not run: the Batch object it would be, ``completed`` with its
+        ``quote`` (see :mod:`anex_pipeline.stages.quote`), or ``failed`` with the problems its
+        input has, as a batch is failed. Nothing is stored: the id cannot be retrieved."""
+        window_s = completion_window_s(body.completion_window, self.max_window_s)
+        record = BatchRecord(
+            id=new_id("batch_dryrun_"),
+            owner=owner,
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id or "",
+            completion_window=body.completion_window,
+            created_at=now(),
+            metadata=body.metadata,
+            model=options.get("model"),
+        )
+        runner = self.worker.runner
+        scratch = self.store.scratch("dry-runs")
+        scratch.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=scratch) as folder:
+            if body.requests is not None:
+                path = Path(folder) / "requests.jsonl"
+                lines = [json.dumps({"method": "POST", "url": body.endpoint, **item}) + "\n" for item in body.requests]
+                path.write_text("".join(lines), encoding="utf-8")
+            else:
+                stored = self.store.file(owner, body.input_file_id or "")
+                if stored is None:
+                    raise not_found("file", body.input_file_id or "")
+                path = self.store.content_path(stored.id)
+            try:
+                quote = make_quote(
+                    path,
+                    job_options(options),
+                    Path(runner.storage.work_root).expanduser(),
+                    runner.engine.plain(),
+                    local_model=not runner.engine.base_url,
+                    completion_window_s=window_s,
+                    answer_scope=owner,
+                )
+            except JobRejected as exc:
+                errors = [BatchError(code=p.code, message=p.message, param=p.field, line=p.line) for p in exc.problems]
+                failed = record.model_copy(update={"errors": errors[:MAX_ERRORS], "failed_at": now()})
+                return {**failed.public(RequestCounts(), None), "dry_run": True}
+        done = record.model_copy(update={"completed_at": now()})
+        return {**done.public(RequestCounts(total=quote.rows), None), "dry_run": True, "quote": quote.model_dump()}
+
+    def _create_batch(
+        self, owner: str, body: CreateBatch, options: dict[str, Any], idempotency_key: str | None
+    ) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = batch_options(body, self.media, self.models, self.max_job_tokens)
         window_s = completion_window_s(body.completion_window, self.max_window_s)
         batch_id = new_id("batch_")
         embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
