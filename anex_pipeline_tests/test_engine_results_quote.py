@@ -66,6 +66,7 @@ def test_results_while_a_400_row_job_runs_then_a_quote_of_the_same_shape(
     quote = make_quote(second, job_options(options), tmp_path / "work", real_engine_resource().plain())
     produced = report.usage.completion_tokens
     took = report.timings.get("generate", 0.0) + report.timings.get("estimate", 0.0)
+    print(f"quote: {quote.model_dump_json()}\nrun: {produced} output tokens, {took:.1f} s")  # docs/benchmarks.md
     assert quote.output_tokens_expected is not None and quote.engine_seconds is not None
     assert abs(quote.output_tokens_expected - produced) <= 0.25 * produced, (quote.output_tokens_expected, produced)
     assert abs(quote.engine_seconds - took) <= 0.5 * took, (quote.engine_seconds, took)
