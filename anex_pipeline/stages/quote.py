@@ -12,7 +12,8 @@ whether it fits its budgets, worked out without loading an engine.
   the job's own rows (copies of an identical deterministic row).
 - The expected output of the other rows comes from the output lengths earlier jobs of the folder
   generated on the same model (:mod:`~anex_pipeline.workdir.quotes`), each row's cap applied: a
-  row is expected to take the mean of ``min(length, its cap)`` over those lengths. The range is the
+  row is expected to take the mean of ``min(length, its cap)`` over the earlier rows that ran
+  under a cap at least as large (a length cut by a smaller cap says too little). The range is the
   spread between the earlier jobs (the figure each alone would give), widened by a 95% interval
   of the sum of that many rows. Without earlier jobs there is no expected figure, only the caps.
 - Engine time is that output over the output tokens per second those jobs measured (the range
@@ -21,12 +22,10 @@ whether it fits its budgets, worked out without loading an engine.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import time
 from collections.abc import Iterator
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -210,9 +209,9 @@ def _expect(quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tok
         )
         quote.time_basis = "unknown: no earlier job of this work folder measured this model's speed"
         return
-    pooled = _Lengths([n for e in measured for n in e.lengths])
+    pooled = _Lengths([(n, c) for e in measured for n, c in zip(e.lengths, e.caps, strict=True)])
     mean, variance = pooled.over(caps)
-    each = [_Lengths(e.lengths).over(caps)[0] for e in measured]
+    each = [_Lengths(list(zip(e.lengths, e.caps, strict=True))).over(caps)[0] for e in measured]
     spread = Z95 * math.sqrt(variance)
     low = max(0.0, min(each) - spread)
     high = min(float(sum(caps)), max(each) + spread)
@@ -237,12 +236,14 @@ def _expect(quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tok
 
 
 class _Lengths:
-    """Output lengths, sorted with running sums, for the mean and variance of ``min(length, cap)``."""
+    """Earlier rows' output lengths with the caps they ran under, for the mean and variance of
+    ``min(length, cap)`` of a new row. A row with cap ``c`` is measured against the earlier rows
+    whose cap was at least ``c``: their lengths cut at ``c`` are exactly what it would take (a
+    length cut by a smaller cap is not); when there are none, against the rows of the largest caps."""
 
-    def __init__(self, lengths: list[int]):
-        self.sorted = sorted(lengths)
-        self.sums = [0, *accumulate(self.sorted)]
-        self.squares = [0, *accumulate(n * n for n in self.sorted)]
+    def __init__(self, rows: list[tuple[int, int]]):
+        self.rows = sorted(rows, key=lambda row: -row[1])  # largest caps first
+        self.sorted = [n for n, _ in rows]
         self._by_cap: dict[int, tuple[float, float]] = {}
 
     def over(self, caps: list[int]) -> tuple[float, float]:
@@ -256,11 +257,12 @@ class _Lengths:
         return mean, variance
 
     def _one(self, cap: int) -> tuple[float, float]:
-        count = len(self.sorted)
-        below = bisect.bisect_right(self.sorted, cap)
-        above = count - below
-        m = (self.sums[below] + cap * above) / count
-        m2 = (self.squares[below] + cap * cap * above) / count
+        eligible = [min(n, cap) for n, c in self.rows if c >= cap]
+        if not eligible:
+            largest = self.rows[0][1]
+            eligible = [min(n, cap) for n, c in self.rows if c == largest]
+        m = sum(eligible) / len(eligible)
+        m2 = sum(n * n for n in eligible) / len(eligible)
         return m, max(0.0, m2 - m * m)
 
 

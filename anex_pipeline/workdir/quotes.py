@@ -1,8 +1,8 @@
 """What the work folder knows that a quote uses, and the quotes themselves.
 
 Earlier jobs of the folder say what a new job is likely to take: the output lengths of the rows
-they generated (each row's ``completion_tokens`` in their checkpoints; copies of other rows'
-answers left out) and the output tokens per second their engine kept up (their generated tokens
+they generated (each row's ``completion_tokens`` in their checkpoints, with the cap it ran under;
+copies of other rows' answers left out) and the output tokens per second their engine kept up (their generated tokens
 over their estimate and generation seconds). Only merged jobs count (their report is in), on the
 same model and endpoint, newest first.
 
@@ -15,10 +15,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from anex_pipeline.spec import Quote
+from anex_pipeline.validate.numbers import UNCAPPED_ROW_TOKENS
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JOB_ID, JobDir, atomic_write_text
+from anex_pipeline.workdir.outputs import read_estimate
 
 HISTORY_JOBS = 20  # earlier jobs read, newest first
 HISTORY_ROWS = 50_000  # generated rows read from them, at most
@@ -30,6 +33,7 @@ class EarlierJob:
 
     job_id: str
     lengths: list[int] = field(default_factory=list)
+    caps: list[int] = field(default_factory=list)  # each row's cap (n x max_tokens), beside its length
     tokens_per_s: float | None = None  # None: it generated nothing, or its seconds were not kept
 
 
@@ -46,10 +50,15 @@ def earlier_jobs(work_root: Path, model_name: str, endpoint: str) -> list[Earlie
             if report is None or report.model != model_name or report.endpoint != endpoint:
                 continue
             earlier = EarlierJob(job.job_id)
-            for shard in range(len(job.manifest().shards)):
+            manifest = job.manifest()
+            options = manifest.job_options()
+            job_cap = options.max_tokens or read_estimate(job).max_tokens or UNCAPPED_ROW_TOKENS
+            for shard in range(len(manifest.shards)):
+                caps = {row.index: _cap(row.body, job_cap) for row in job.read_requests(shard)}
                 for o in job.outcomes(shard):
-                    if o.error is None and not o.reused:
+                    if o.error is None and not o.reused and o.i in caps:
                         earlier.lengths.append(o.usage.completion_tokens)
+                        earlier.caps.append(caps[o.i])
         except (OSError, ValueError):
             continue
         busy = report.timings.get("generate", 0.0) + report.timings.get("estimate", 0.0)
@@ -58,6 +67,13 @@ def earlier_jobs(work_root: Path, model_name: str, endpoint: str) -> list[Earlie
         rows += len(earlier.lengths)
         found.append(earlier)
     return found
+
+
+def _cap(body: dict[str, Any], job_cap: int) -> int:
+    """A row's cap on its output: its own (or the job's) max_tokens, times its choices."""
+    cap = next((body[name] for name in ("max_tokens", "max_completion_tokens") if type(body.get(name)) is int), job_cap)
+    n = body.get("n")
+    return cap * (n if type(n) is int else 1)
 
 
 def _jobs_newest_first(work_root: Path) -> list[JobDir]:
