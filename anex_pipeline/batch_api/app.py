@@ -458,6 +458,7 @@ def create_app(
     max_completion_window_s: int | None = None,
     max_job_tokens: int | None = None,
     parsers: dict[str, str] | None = None,
+    replica: str | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
@@ -472,7 +473,9 @@ def create_app(
     output tokens one batch's rows may ask for together (None: the budget of every job,
     MAX_JOB_TOKENS); a batch may set a lower budget of its own. ``parsers``: the reasoning and
     tool-call parsers of every batch, by job option name (``reasoning_parser``, ``tool_parser``);
-    unset, each is chosen from the model, and a batch may not name one."""
+    unset, each is chosen from the model, and a batch may not name one. ``replica``: this
+    service's name among replicas over one database (see :mod:`~anex_pipeline.batch_api.worker`);
+    None: the host and process id."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -482,7 +485,7 @@ def create_app(
             "no API keys: start the service with --keys-file or ANEX_BATCH_API_KEYS "
             "(none are stored from an earlier start)"
         )
-    worker = BatchWorker(runner, store, max_running_batches)
+    worker = BatchWorker(runner, store, max_running_batches, replica)
     served = ServedModels(models, adapters=list(runner.engine.lora_modules), parsers=parsers)
     api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s, max_job_tokens)
     store.keep_events = webhook is not None

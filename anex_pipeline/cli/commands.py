@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -400,6 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_completion_window_s=args.max_completion_window,
             max_job_tokens=args.max_job_tokens,
             parsers=parsers,
+            replica=f"{socket.gethostname()}:{args.port}",  # started again on its port, it goes on with its batches
         )
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None

@@ -1,0 +1,56 @@
+"""Two ``serve`` processes over one Dagster instance and one work folder, as replicas of the Batch
+API: either answers for every batch, a batch is worked on by the one replica that holds its lease,
+and when that replica is SIGKILLed the other takes the batch over once the lease has run out and
+finishes it, every row once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.instance.ref import InstanceRef
+
+from anex_pipeline.batches.store import Store
+from anex_pipeline_tests.harness.batch_api import client, content, rows, serve_process, submit, wait, wait_for_rows
+from anex_pipeline_tests.harness.jobs import write_jsonl
+
+LEASE_S = "2"
+
+
+def holder(store: Store, batch_id: str) -> str:
+    deadline = time.monotonic() + 30
+    while (lease := store.lease(batch_id)) is None:
+        assert time.monotonic() < deadline, "no replica took the batch up"
+        time.sleep(0.05)
+    return lease[0]
+
+
+@pytest.mark.subprocess
+def test_a_replica_takes_over_the_batch_of_a_sigkilled_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))  # its dagster.yaml names it
+    src = write_jsonl(tmp_path / "in.jsonl", rows(80))
+    env = {"ANEX_BATCH_LEASE_S": LEASE_S}
+    with serve_process(tmp_path, env=env) as (first, url_a), serve_process(tmp_path, env=env) as (second, url_b):
+        by_port = {url.split(":")[2].split("/")[0]: process for process, url in ((first, url_a), (second, url_b))}
+        alice_a, alice_b = client(url_a), client(url_b)
+        with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path / "dagster_home"))) as instance:
+            store = Store(instance, tmp_path / "work")
+            batch = submit(alice_a, src, {"max_tokens": 8, "checkpoint_rows": 2})
+            wait_for_rows(alice_b, batch.id, 4)  # the other replica shows the batch's progress too
+            first_holder = holder(store, batch.id)
+            dead = by_port[first_holder.rsplit(":", 1)[1]]
+            os.killpg(dead.pid, signal.SIGKILL)
+            dead.wait(timeout=30)
+            survivor = alice_b if dead is first else alice_a
+            assert survivor.batches.retrieve(batch.id).status == "in_progress"
+            done = wait(survivor, batch.id, timeout=90)
+            assert done.status == "completed", done.errors
+        answered = [r["custom_id"] for r in content(survivor, done.output_file_id)]
+        assert answered == [f"r{i}" for i in range(80)]  # every row once, in order
+        assert done.request_counts is not None and done.request_counts.completed == 80
+        later = wait(survivor, submit(survivor, src, {"max_tokens": 4}).id)  # the survivor takes new work
+        assert later.status == "completed"
