@@ -1,4 +1,5 @@
-"""Two ``serve`` processes over one Dagster instance and one work folder, as replicas of the Batch
+"""Two ``serve`` processes over one Dagster instance (SQLite, or a real PostgreSQL server on
+loopback) and one work folder, as replicas of the Batch
 API: either answers for every batch, a batch is worked on by the one replica that holds its lease,
 and when that replica is SIGKILLed the other takes the batch over once the lease has run out and
 finishes it, every row once."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -17,8 +19,30 @@ from dagster._core.instance.ref import InstanceRef
 from anex_pipeline.batches.store import Store
 from anex_pipeline_tests.harness.batch_api import client, content, rows, serve_process, submit, wait, wait_for_rows
 from anex_pipeline_tests.harness.jobs import write_jsonl
+from anex_pipeline_tests.harness.postgres_server import Server, create_database, required_postgres
 
 LEASE_S = "2"
+
+
+@pytest.fixture(scope="module")
+def postgres_server() -> Iterator[Server]:
+    with required_postgres() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def home(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The replicas' Dagster home (serve_process's), keeping runs and batches in SQLite or in a
+    fresh database of a real PostgreSQL server on loopback."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    if request.param == "postgres":
+        server: Server = request.getfixturevalue("postgres_server")
+        url = f"postgresql+psycopg2://{server.user}:{server.password}@{server.host}:{server.port}/"
+        storage = f'storage:\n  postgres:\n    postgres_url: "{url}{create_database(server)}"\n'
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n" + storage)
+    monkeypatch.setenv("DAGSTER_HOME", str(home))  # for this process's look at the store
+    return home
 
 
 def holder(store: Store, batch_id: str) -> str:
@@ -30,14 +54,13 @@ def holder(store: Store, batch_id: str) -> str:
 
 
 @pytest.mark.subprocess
-def test_a_replica_takes_over_the_batch_of_a_sigkilled_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))  # its dagster.yaml names it
+def test_a_replica_takes_over_the_batch_of_a_sigkilled_one(tmp_path: Path, home: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", rows(80))
     env = {"ANEX_BATCH_LEASE_S": LEASE_S}
     with serve_process(tmp_path, env=env) as (first, url_a), serve_process(tmp_path, env=env) as (second, url_b):
         by_port = {url.split(":")[2].split("/")[0]: process for process, url in ((first, url_a), (second, url_b))}
         alice_a, alice_b = client(url_a), client(url_b)
-        with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path / "dagster_home"))) as instance:
+        with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
             store = Store(instance, tmp_path / "work")
             batch = submit(alice_a, src, {"max_tokens": 8, "checkpoint_rows": 2})
             wait_for_rows(alice_b, batch.id, 4)  # the other replica shows the batch's progress too
