@@ -17,9 +17,20 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 
 from anex_pipeline.batches.store import Store
-from anex_pipeline_tests.harness.batch_api import client, content, rows, serve_process, submit, wait, wait_for_rows
+from anex_pipeline_tests.harness.batch_api import (
+    KEY_A,
+    KEY_B,
+    client,
+    content,
+    rows,
+    serve_process,
+    submit,
+    wait,
+    wait_for_rows,
+)
 from anex_pipeline_tests.harness.jobs import write_jsonl
 from anex_pipeline_tests.harness.postgres_server import Server, create_database, required_postgres
+from anex_pipeline_tests.harness.webhooks import SECRET, receiving
 
 LEASE_S = "2"
 
@@ -77,3 +88,53 @@ def test_a_replica_takes_over_the_batch_of_a_sigkilled_one(tmp_path: Path, home:
         assert done.request_counts is not None and done.request_counts.completed == 80
         later = wait(survivor, submit(survivor, src, {"max_tokens": 4}).id)  # the survivor takes new work
         assert later.status == "completed"
+
+
+@pytest.mark.subprocess
+def test_two_replicas_serve_two_keys_as_one_service(tmp_path: Path, home: Path) -> None:
+    """Creates, an idempotent retry, listings and a cancel spread over both replicas: every batch
+    ends once, as it should, and each one's webhook event arrives once."""
+    src = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    long = write_jsonl(tmp_path / "long.jsonl", rows(200))
+    with receiving() as receiver:
+        flags = ("--webhook-allowed-host", "127.0.0.1")
+        env = {"ANEX_BATCH_LEASE_S": LEASE_S, "ANEX_WEBHOOK_URL": receiver.url, "ANEX_WEBHOOK_SECRET": SECRET}
+        with (
+            serve_process(tmp_path, *flags, env=env) as (_, url_a),
+            serve_process(tmp_path, *flags, env=env) as (
+                _,
+                url_b,
+            ),
+        ):
+            alice = {"a": client(url_a, KEY_A), "b": client(url_b, KEY_A)}
+            bob = {"a": client(url_a, KEY_B), "b": client(url_b, KEY_B)}
+            first = submit(alice["a"], src, {"max_tokens": 4})
+            cancelled = submit(alice["b"], long, {"max_tokens": 8, "checkpoint_rows": 2})
+            with src.open("rb") as f:
+                uploaded = bob["b"].files.create(file=f, purpose="batch")
+            once = [
+                bob[side].batches.create(
+                    input_file_id=uploaded.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                    extra_headers={"Idempotency-Key": "order-1"},
+                )
+                for side in ("b", "a")
+            ]
+            assert once[0].id == once[1].id  # the retry through the other replica gets the same batch
+            wait_for_rows(alice["a"], cancelled.id, 2)
+            alice["a"].batches.cancel(cancelled.id)  # through the replica that may not run it
+            ended = {b.id: wait(alice[side], b.id) for side, b in (("b", first), ("a", cancelled))}
+            ended[once[0].id] = wait(bob["a"], once[0].id)
+            assert [ended[b.id].status for b in (first, cancelled, once[0])] == ["completed", "cancelled", "completed"]
+            for side in ("a", "b"):  # both replicas list the same batches, each key its own
+                assert [b.id for b in alice[side].batches.list().data] == [cancelled.id, first.id]
+                assert [b.id for b in bob[side].batches.list().data] == [once[0].id]
+            assert len(content(alice["b"], ended[first.id].output_file_id)) == 6
+            unrun = ended[cancelled.id].request_counts
+            assert unrun is not None and unrun.total == 200 and 0 < unrun.completed < 200
+            receiver.wait_for(3)
+        events = sorted((e["data"]["id"], e["type"]) for e in receiver.delivered())
+        assert events == sorted(
+            [(first.id, "batch.completed"), (cancelled.id, "batch.cancelled"), (once[0].id, "batch.completed")]
+        )
