@@ -15,6 +15,7 @@ from anex_pipeline.dagster.prompts import Preprocess, StepDefinitionError, StepP
 from anex_pipeline.dagster.resource import ENGINE_RESOURCE_KEY, LlmEngineResource
 from anex_pipeline.dagster.stages import IMAGE_COLUMN, PROMPT_COLUMN, StepRun, run_step_job
 from anex_pipeline.errors import EngineLoadFailed, JobStopped
+from anex_pipeline.orchestration.assets import report_metadata
 from anex_pipeline.request_fields import SCORING
 from anex_pipeline.spec import JobRejected
 
@@ -138,29 +139,17 @@ def _shard_table(run: StepRun) -> str:
 
 
 def _metadata(run: StepRun, out: pa.Table) -> dict[str, Any]:
-    report = run.report
-    counts = report.request_counts
+    """The figures a job's ``generations`` asset shows (from its report), and the step's own."""
     return {
-        "dagster/row_count": counts.total,
+        "dagster/row_count": run.report.request_counts.total,
         COLUMN_SCHEMA: dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in out.schema]),
-        "rows": counts.total,
-        "completed": counts.completed,
-        "failed": counts.failed,
-        "format_error_rows": counts.format_error_rows,
-        "error_counts": report.error_counts,
-        "prompt_tokens": report.usage.prompt_tokens,
-        "cached_prompt_tokens": report.usage.cached_prompt_tokens,
-        "completion_tokens": report.usage.completion_tokens,
-        "rows_per_s": report.throughput.rows_per_s,
-        "output_tokens_per_s": report.throughput.output_tokens_per_s,
-        **({"cost": report.cost} if report.cost is not None else {}),
+        **report_metadata(run.report, run.job.result_path),
         "generated_now": sum(s.generated for s in run.shards),
         "kept_from_earlier_runs": sum(s.kept_from_earlier_runs for s in run.shards),
         "resumed": run.resumed,
         "job_id": run.job.job_id,
         "work_folder": dg.MetadataValue.path(str(run.job.root)),
         "shards": dg.MetadataValue.md(_shard_table(run)),
-        "report": dg.MetadataValue.json(report.model_dump()),
     }
 
 
