@@ -299,6 +299,7 @@ class Quote(BaseModel):
     output_tokens_expected: int | None = None
     output_tokens_range: tuple[int, int] | None = None
     output_basis: str = ""  # where the expected figure comes from
+    sampled_rows: int = 0  # rows generated for this quote (validate --quote-sample), 0: none
     # Rows that need no generation: answered from the work folder's answer store, or copies of an
     # identical deterministic row of the job (reuse_answers).
     rows_from_answer_store: int = 0

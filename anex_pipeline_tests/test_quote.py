@@ -100,3 +100,24 @@ def test_after_a_run_the_quote_of_a_file_of_the_same_shape_expects_what_it_produ
     again = _quote(capsys, first)
     assert again["rows_from_answer_store"] == 300
     assert again["output_tokens_expected"] == produced and again["engine_seconds"] == 0
+
+
+@pytest.mark.slow
+def test_a_quote_with_a_sample_expects_what_the_run_then_produces(
+    tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the fake engine, in a work folder with no earlier job: --quote-sample generates 40 of
+    the 300 rows, and the quote's expected output comes within 25% of what the run produces."""
+    src = tmp_path / "a.jsonl"
+    make_input(src, 300, seed=3, unique=True)
+    quote = _quote(capsys, src, "--quote-sample", "40")
+    assert quote["sampled_rows"] == 40 and "generated as a sample" in quote["output_basis"]
+    assert quote["engine_seconds"] is not None and "measured on the sample" in quote["time_basis"]
+    code, _, err = anex(capsys, "run", str(src), "-o", str(tmp_path / "a.results.jsonl"), "--quiet")
+    assert code == 0, err
+    report = read_report(tmp_path / "a.results.report.json")
+    assert report is not None
+    produced = report.usage.completion_tokens
+    assert abs(quote["output_tokens_expected"] - produced) <= 0.25 * produced
+    code, out, err = anex(capsys, "validate", str(src), "--quote-sample", "-3")
+    assert code == 2 and out == "" and err.strip().endswith("--quote-sample takes a number of rows (0 or more), got -3")

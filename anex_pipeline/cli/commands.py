@@ -281,7 +281,7 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
 
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
     local = not settings.ENGINE_BASE_URL.get()
-    if args.quote:
+    if args.quote or args.quote_sample:
         return _quote(args, options, path, local)
     kind, endpoint, rows = accepted_rows(path, options, local_model=local)
     count = sum(1 for _ in rows)
@@ -291,16 +291,31 @@ def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
 
 def _quote(args: argparse.Namespace, options: Any, path: Path, local: bool) -> int:
     """``validate --quote``: the quote on one screen (or JSON), kept for the report of the job's run."""
+    from anex_pipeline.console import quiet_engine_output
     from anex_pipeline.engine.config import EngineConfig
+    from anex_pipeline.engine.loader import release_engines
     from anex_pipeline.paths import default_work_root
     from anex_pipeline.stages.quote import make_quote, quote_lines
     from anex_pipeline.storage import is_s3
+    from anex_pipeline.workdir import layout
     from anex_pipeline.workdir.manifest import file_sha256, make_job_id
     from anex_pipeline.workdir.quotes import save_quote
 
     work_root = Path(args.work_dir or default_work_root()).expanduser()
+    if args.quote_sample < 0:
+        raise UsageError(f"--quote-sample takes a number of rows (0 or more), got {args.quote_sample}")
     engine = EngineConfig(base_url=settings.ENGINE_BASE_URL.get() or None)
-    quote = make_quote(path, options, work_root, engine, local_model=local)
+    if args.quote_sample:  # the engine's messages: never on stdout (the quote), at a terminal to a log file
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        if sys.stderr.isatty():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            log_path = quiet_engine_output(work_root / layout.LOGS_DIR / f"quote-{stamp}-{os.getpid()}.log")
+            print(f"generating {args.quote_sample} sample rows; engine messages go to {log_path}", file=sys.stderr)
+    try:
+        quote = make_quote(path, options, work_root, engine, local_model=local, sample=args.quote_sample)
+    finally:
+        if args.quote_sample:
+            release_engines()
     if not is_s3(args.input):  # the id `run` gives the same input and options
         job_id = make_job_id(path, file_sha256(path), options.model_dump(exclude_defaults=True))
         with contextlib.suppress(OSError):

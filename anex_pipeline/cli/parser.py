@@ -240,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also say what the job would take: prompt tokens (the model's tokenizer), expected output tokens, "
         "engine time and cost, from what earlier jobs of the work folder measured; loads no engine",
     )
+    val.add_argument(
+        "--quote-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="quote (as --quote) with the expected output and speed measured by generating N of the rows now, "
+        "instead of from earlier jobs; loads the job's engine",
+    )
     val.add_argument("--json", action="store_true", help="with --quote: print the quote as JSON")
     _add_option_flags(val)
     _work_dir_flag(val)

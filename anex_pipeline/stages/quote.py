@@ -18,12 +18,17 @@ whether it fits its budgets, worked out without loading an engine.
   of the sum of that many rows. Without earlier jobs there is no expected figure, only the caps.
 - Engine time is that output over the output tokens per second those jobs measured (the range
   from the slowest and fastest of them), or unknown.
+- With ``sample`` rows asked for, the expectation comes from generating that many of the rows to
+  generate instead (drawn at random with the job's ``estimate_seed``, rows with media left out),
+  on the engine the job would run on: their lengths, each row's cap applied, and the output
+  tokens per second the engine kept up on them (loading it not counted). This loads the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +36,9 @@ from typing import Any
 
 from anex_pipeline.engine.base import EngineRequest, resolve_request
 from anex_pipeline.engine.config import EngineConfig
+from anex_pipeline.engine.loader import engine_for
 from anex_pipeline.engine.models import local_model_path, resolve_model
+from anex_pipeline.engine.rows import run_checked
 from anex_pipeline.request_fields import POOLING
 from anex_pipeline.responses import chat_row
 from anex_pipeline.spec import Endpoint, InputRow, JobOptions, Quote
@@ -39,6 +46,7 @@ from anex_pipeline.stages.generate_answer_book import fingerprint
 from anex_pipeline.stages.generate_answer_store import AnswerStore, engine_identity
 from anex_pipeline.stages.submit import accepted_rows
 from anex_pipeline.validate.answers import TokenBudget, several_prompts
+from anex_pipeline.validate.media_refs import media_references
 from anex_pipeline.validate.numbers import UNCAPPED_ROW_TOKENS
 from anex_pipeline.workdir.manifest import JobManifest
 from anex_pipeline.workdir.quotes import EarlierJob, earlier_jobs
@@ -55,11 +63,13 @@ def make_quote(
     local_model: bool = True,
     completion_window_s: int | None = None,
     answer_scope: str = "",
+    sample: int = 0,
 ) -> Quote:
     """The quote of the job ``path`` and ``options`` would be; raises JobRejected with every
     problem of the input as ``validate`` does. ``engine``: the engine settings the job would run
     on (which answers of the store are its own); ``completion_window_s``: a batch's window, which
-    the engine time is held against; ``answer_scope``: whose stored answers the job may share."""
+    the engine time is held against; ``answer_scope``: whose stored answers the job may share;
+    ``sample``: rows to generate for the expectation instead of earlier jobs' (0: none)."""
     started = time.monotonic()
     kind, endpoint, rows = accepted_rows(path, options, local_model)
     model, model_name = resolve_model(options.model, endpoint)
@@ -86,6 +96,7 @@ def make_quote(
     seen: set[str] = set()
     stored_tokens = 0
     generated_caps: list[int] = []  # the cap of each row the engine would generate
+    drawn = _Draw(sample, options.estimate_seed)
     try:
         for row in _rows(rows, endpoint):
             quote.rows += 1
@@ -105,13 +116,23 @@ def make_quote(
                 stored_tokens += known.usage.get("completion_tokens", 0)
             elif endpoint not in POOLING:
                 generated_caps.append((req.max_tokens or UNCAPPED_ROW_TOKENS) * req.choices)
+                drawn.offer(req)
     finally:
         if store is not None:
             store.close()
     quote.output_tokens_cap = budget.asked if endpoint not in POOLING else 0
     if counter is not None:
         quote.prompt_tokens, quote.rows_not_counted = counter.tokens, counter.not_counted
-    _expect(quote, earlier_jobs(work_root, model_name, endpoint), generated_caps, stored_tokens)
+    if drawn.rows:
+        measured = _generate_sample(engine, manifest, drawn.rows)
+        _expect(quote, [measured], generated_caps, stored_tokens)
+        quote.sampled_rows = len(drawn.rows)
+        quote.output_basis = quote.output_basis.replace(
+            "1 earlier job(s) of this work folder generated", "this quote generated as a sample"
+        )
+        quote.time_basis = quote.time_basis.replace("measured by 1 earlier job(s) here", "measured on the sample")
+    else:
+        _expect(quote, earlier_jobs(work_root, model_name, endpoint), generated_caps, stored_tokens)
     _price(quote, options)
     if completion_window_s is not None:
         quote.completion_window_s = completion_window_s
@@ -119,6 +140,42 @@ def make_quote(
             quote.fits_window = quote.engine_seconds_range[1] <= completion_window_s
     quote.seconds = round(time.monotonic() - started, 3)
     return quote
+
+
+class _Draw:
+    """A uniform draw of up to ``size`` of the requests offered (reservoir sampling), leaving out
+    requests with media, whose fetching the sample does not do."""
+
+    def __init__(self, size: int, seed: int):
+        self.size = size
+        self.offered = 0
+        self.rows: list[EngineRequest] = []
+        self._random = random.Random(seed)
+
+    def offer(self, req: EngineRequest) -> None:
+        if not self.size or media_references(req.body):
+            return
+        self.offered += 1
+        if len(self.rows) < self.size:
+            self.rows.append(req)
+        elif (slot := self._random.randrange(self.offered)) < self.size:
+            self.rows[slot] = req
+
+
+def _generate_sample(config: EngineConfig, manifest: JobManifest, requests: list[EngineRequest]) -> EarlierJob:
+    """The sample's lengths and caps, and the output tokens per second of its generation."""
+    engine = engine_for(config, manifest)  # loaded before the clock starts
+    started = time.monotonic()
+    outcomes = run_checked(engine, requests)
+    seconds = time.monotonic() - started
+    sampled = EarlierJob("quote-sample")
+    for req, outcome in zip(requests, outcomes, strict=True):
+        if outcome.ok:
+            sampled.lengths.append(outcome.usage.get("completion_tokens", 0))
+            sampled.caps.append((req.max_tokens or UNCAPPED_ROW_TOKENS) * req.choices)
+    if sampled.lengths and seconds > 0:
+        sampled.tokens_per_s = sum(sampled.lengths) / seconds
+    return sampled
 
 
 def _rows(rows: Iterator[InputRow], endpoint: Endpoint) -> Iterator[InputRow]:
