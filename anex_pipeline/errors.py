@@ -69,6 +69,7 @@ class RowErrorType(StrEnum):
     ENGINE = "engine_error"  # the engine failed on the row
     MEDIA_FETCH = "media_fetch_error"  # media the row references could not be downloaded
     BATCH = "batch_error"  # the batch ended (cancelled, expired, failed) before the row ran
+    PENDING = "pending"  # the row has not run yet (a read of a running job's rows that marks them)
     # A Parquet result's error_type column also flags rows that succeeded with a caveat:
     LENGTH = "length"  # the answer stopped at its token cap
     FORMAT = "format_error"  # the answer is not the JSON its response_format asked for

@@ -73,6 +73,11 @@ S3_OUTPUT_PREFIX = Setting("ANEX_S3_OUTPUT_PREFIX", "results/", "Where the s3_in
 INBOX_DIR = Setting("ANEX_INBOX_DIR", "", "The local_inbox sensor's folder; empty: inbox beside the work root.")
 OUTBOX_DIR = Setting("ANEX_OUTBOX_DIR", "", "The local_inbox sensor's results; empty: outbox beside the work root.")
 BATCH_API_KEYS = Setting("ANEX_BATCH_API_KEYS", "", "The Batch API's keys, comma-separated, without --keys-file.")
+BATCH_LEASE_S = Setting(
+    "ANEX_BATCH_LEASE_S",
+    "30",
+    "Seconds a serve replica holds a batch without renewing; after that another replica takes it over.",
+)
 WEBHOOK_URL = Setting("ANEX_WEBHOOK_URL", "", "Where serve posts batch events, when it has no --webhook-url.")
 WEBHOOK_SECRET = Setting("ANEX_WEBHOOK_SECRET", "", "The secret that signs them, when serve has no --webhook-secret.")
 

@@ -78,6 +78,14 @@ class Prices(_Strict):
     output_per_1k: float = Field(ge=0)
     cached_input_per_1k: float | None = Field(default=None, ge=0)
 
+    def cost(self, prompt_tokens: float, completion_tokens: float, cached_prompt_tokens: float = 0) -> float:
+        """What so many tokens cost; cached prompt tokens at their own price when one is set."""
+        cached = cached_prompt_tokens if self.cached_input_per_1k is not None else 0
+        total = (prompt_tokens - cached) / 1000 * self.input_per_1k
+        total += cached / 1000 * (self.cached_input_per_1k or 0.0)
+        total += completion_tokens / 1000 * self.output_per_1k
+        return round(total, 6)
+
 
 class JobOptions(_Strict):
     """Options that apply to a whole job. Unknown keys are rejected."""
@@ -290,6 +298,52 @@ class Throughput(BaseModel):
     output_tokens_per_s: float = 0.0
 
 
+class Quote(BaseModel):
+    """What a job is expected to take, worked out before it runs (``validate --quote``): exact
+    counts where the input says them, expectations with a range where earlier jobs of the work
+    folder do, ``None`` where nothing does."""
+
+    rows: int
+    model: str
+    endpoint: Endpoint
+    # Prompt tokens with the model's tokenizer and chat template, as the engine counts them; None
+    # when the tokenizer is not on this machine. Media parts are not counted (their tokens are the
+    # model processor's): ``rows_not_counted`` says how many rows were left out of the count.
+    prompt_tokens: int | None = None
+    rows_not_counted: int = 0
+    # The sum of every row's cap (n x max_tokens, 1,024 for a row with no cap): no run goes above it.
+    output_tokens_cap: int = 0
+    output_tokens_expected: int | None = None
+    output_tokens_range: tuple[int, int] | None = None
+    output_basis: str = ""  # where the expected figure comes from
+    sampled_rows: int = 0  # rows generated for this quote (validate --quote-sample), 0: none
+    # Rows that need no generation: answered from the work folder's answer store, or copies of an
+    # identical deterministic row of the job (reuse_answers).
+    rows_from_answer_store: int = 0
+    rows_reused_in_job: int = 0
+    # Engine seconds to generate the rest, from the output tok/s earlier jobs measured here.
+    engine_seconds: float | None = None
+    engine_seconds_range: tuple[float, float] | None = None
+    time_basis: str = ""
+    cost: float | None = None  # at the job's prices: prompt tokens and expected output
+    cost_range: tuple[float, float] | None = None
+    cost_cap: float | None = None  # at the caps' sum
+    max_job_tokens: int = 0  # the job's budget of output tokens (the caps' sum must fit)
+    completion_window_s: int | None = None  # a batch's window, when quoted through the Batch API
+    fits_window: bool | None = None  # whether the expected engine time (upper end) ends within it
+    seconds: float = 0.0  # how long the quote took
+
+
+class QuoteCheck(BaseModel):
+    """A quote beside what the run that followed it did."""
+
+    quoted: Quote
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    engine_seconds: float = 0.0  # the estimate and generation stages' seconds
+    cost: float | None = None
+
+
 class JobReport(BaseModel):
     """The job report: what happened to the rows, why the job stopped, what it used and cost."""
 
@@ -324,3 +378,5 @@ class JobReport(BaseModel):
     # The engine the rows ran on: kind, model, vLLM version, its engine arguments and context.
     engine: dict[str, Any] | None = None
     cost: float | None = None
+    # The quote made of this job's input before it ran (validate --quote), beside what happened.
+    quote: QuoteCheck | None = None

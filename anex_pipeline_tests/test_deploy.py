@@ -31,6 +31,7 @@ from dagster_k8s import K8sRunLauncher, k8s_job_executor
 from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
 from dagster_postgres import DagsterPostgresStorage
 
+from anex_pipeline.cli.parser import build_parser
 from anex_pipeline.orchestration.definitions import defs
 from anex_pipeline_tests.harness.jobs import REPO
 
@@ -75,8 +76,8 @@ def test_manifests_validate_against_the_kubernetes_schemas(path: Path) -> None:
         validate_k8s(doc)
 
 
-def test_the_manifests_are_the_work_volume_and_the_vllm_server() -> None:
-    assert [p.name for p in MANIFESTS] == ["vllm-server.yaml", "work-volume.yaml"]
+def test_the_manifests_are_the_batch_api_the_work_volume_and_the_vllm_server() -> None:
+    assert [p.name for p in MANIFESTS] == ["batch-api.yaml", "vllm-server.yaml", "work-volume.yaml"]
     assert sorted(doc["kind"] for doc in manifests()) == ["Deployment", "PersistentVolumeClaim", "Service"]
     (claim,) = manifests(DEPLOY / "k8s" / "work-volume.yaml")
     assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -84,6 +85,28 @@ def test_the_manifests_are_the_work_volume_and_the_vllm_server() -> None:
     (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
     claims = [v["persistentVolumeClaim"]["claimName"] for v in deployment["volumes"]]
     assert claims == [claim["metadata"]["name"]]
+
+
+def test_the_batch_api_replicas_share_the_instance_the_work_volume_and_the_model_servers() -> None:
+    docs = manifests(DEPLOY / "k8s" / "batch-api.yaml")
+    deployment, service = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    assert deployment["spec"]["replicas"] >= 2
+    pod = deployment["spec"]["template"]["spec"]
+    (serve,) = pod["containers"]
+    assert serve["command"] == ["anex-pipeline", "serve"]
+    args = build_parser().parse_args(["serve", *serve["args"]])  # every flag is one serve takes
+    assert args.base_url == ["http://anex-vllm:8000"] and args.host == "0.0.0.0"
+    (vllm_service,) = [d for d in manifests() if d["kind"] == "Service"]
+    assert args.base_url[0].split("//")[1] == f"{vllm_service['metadata']['name']}:8000"
+    assert "nvidia.com/gpu" not in serve["resources"]["limits"]  # the replicas load no model
+    env = {e["name"] for e in serve["env"]}
+    assert {"DAGSTER_PG_HOST", "DAGSTER_PG_PASSWORD", "ANEX_BATCH_LEASE_S"} <= env
+    claims = {v["name"]: v for v in pod["volumes"]}
+    assert claims["work"]["persistentVolumeClaim"]["claimName"] == "anex-work"
+    assert claims["instance"]["configMap"]["name"] == "dagster-instance"
+    mounts = {m["name"]: m["mountPath"] for m in serve["volumeMounts"]}
+    assert mounts["work"] == "/var/lib/anex/work"  # the images' ANEX_WORK_DIR
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
 
 
 def test_strict_validation_rejects_a_misspelt_field() -> None:

@@ -5,13 +5,12 @@ no generation prompt, no special tokens but the template's) and a job on the fak
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from anex_pipeline.engine.base import EngineRequest
-from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
+from anex_pipeline.engine.vllm.prompts import RequestProblem, TextPrompts
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.validate import check_body
 from anex_pipeline_tests.harness.jobs import answers, write_jsonl
@@ -34,11 +33,8 @@ def test_messages_rows_pass_and_their_problems_name_their_field() -> None:
     assert fields({"messages": MESSAGES, "continue_final_message": True}) == ["body.messages[1].role"]
 
 
-def renderer(tokenizer: Any) -> PromptRenderer:
-    made = object.__new__(PromptRenderer)
-    made.tokenizer, made.model_name = tokenizer, "m"
-    made.llm = SimpleNamespace()
-    return made
+def renderer(tokenizer: Any) -> TextPrompts:
+    return TextPrompts(tokenizer, "m")
 
 
 def test_messages_are_rendered_with_the_template_and_no_generation_prompt(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from anex_pipeline.engine.http.engine import request_body
 from anex_pipeline.engine.loader import schedules_by_priority
 from anex_pipeline.engine.parsing import OutputParser, ParserNames
 from anex_pipeline.engine.structured import mark_completion
-from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem
+from anex_pipeline.engine.vllm.prompts import PromptRenderer, RequestProblem, TextPrompts
 from anex_pipeline.engine.vllm.sampling import Sampler
 from anex_pipeline.engine.vllm.stepping import Stepper
 from anex_pipeline.errors import RowErrorType
@@ -178,12 +178,9 @@ def test_vllms_extras_are_refused_at_submit_with_their_field(body: dict[str, Any
     assert [p.field for p in problems] == [field] and says in problems[0].message, problems
 
 
-def renderer(side: str | None, context: int = 8) -> PromptRenderer:
-    """The in-process engine's prompt renderer over a tokenizer that truncates on ``side``."""
-    found = object.__new__(PromptRenderer)
-    found.tokenizer = SimpleNamespace(truncation_side=side)
-    found.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=context)))
-    return found
+def renderer(side: str | None, context: int = 8) -> TextPrompts:
+    """The in-process engine's text rendering over a tokenizer that truncates on ``side``."""
+    return TextPrompts(SimpleNamespace(truncation_side=side), "m", context)
 
 
 def test_truncate_prompt_tokens_cuts_the_prompt_the_in_process_engine_sends() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import tempfile
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,9 +34,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from anex_pipeline import metrics
 from anex_pipeline.batch_api.requests import ServedModels, batch_options, completion_window_s, upload_expiry
 from anex_pipeline.batch_api.webhooks import WebhookSender, WebhookSettings
-from anex_pipeline.batch_api.worker import MAX_RUNNING, BatchWorker
+from anex_pipeline.batch_api.worker import MAX_ERRORS, MAX_RUNNING, BatchWorker
 from anex_pipeline.batches.objects import (
     ApiError,
+    BatchError,
     BatchRecord,
     CreateBatch,
     FileRecord,
@@ -45,14 +47,18 @@ from anex_pipeline.batches.objects import (
 )
 from anex_pipeline.batches.store import Store, key_hash
 from anex_pipeline.errors import AnexError, ExitCode, RowErrorType
+from anex_pipeline.options import job_options
 from anex_pipeline.orchestration.job_admin import forget_file
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import (
     INVALID_JSON,
     MISSING_PARAMETER,
+    JobRejected,
     MediaOptions,
     RequestCounts,
 )
+from anex_pipeline.stages.merge_partial import write_finished_rows
+from anex_pipeline.stages.quote import make_quote
 from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
@@ -62,6 +68,11 @@ MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_BODY_BYTES = 50 * 1024 * 1024  # any other request, e.g. a batch with its requests embedded
 MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) page of files
 MAX_BATCHES_PAGE = 100  # OpenAI's largest page of batches
+# A running batch's rows finished so far: a file id that a batch shows as partial_output_file_id
+# while it runs, read with GET /v1/files/{id}/content (the SDK's files.content). Its lines are the
+# output file's lines, successes and failures together, in input order; the final output and
+# error files are OpenAI's, untouched.
+PARTIAL = "file-partial-"
 
 
 class BatchApi:
@@ -152,8 +163,30 @@ class BatchApi:
         return JSONResponse(record.public())
 
     async def file_content(self, request: Request) -> Response:
+        if (batch_id := partial_batch_id(request.path_params["file_id"])) is not None:
+            return await run_in_threadpool(self._partial_content, request, batch_id)
         record = await run_in_threadpool(self._file, request)
         return FileResponse(self.store.content_path(record.id), media_type="application/octet-stream")
+
+    def _partial_content(self, request: Request, batch_id: str) -> Response:
+        """The rows the batch's job has finished so far, in input order, as batch output lines
+        (successes and failures together); the header ``anex-partial`` says ``true`` until the batch
+        has finished. Another key's batch, or a batch that has no job yet or no longer one, is a 404."""
+        file_id = request.path_params["file_id"]
+        record = self.store.batch(batch_id, self.owner(request))
+        if record is None or record.job_id is None:
+            raise not_found("file", file_id)
+        job = self.worker.runner.storage.job(record.job_id)
+        if not job.exists():
+            raise not_found("file", file_id)
+        path = self.store.scratch(f"{new_id('partial_')}.jsonl")
+        try:
+            write_finished_rows(job, path)
+            body = path.read_bytes()
+        finally:
+            path.unlink(missing_ok=True)
+        headers = {"anex-partial": "false" if record.finished else "true"}
+        return Response(body, media_type="application/octet-stream", headers=headers)
 
     def _file(self, request: Request) -> Any:
         file_id = request.path_params["file_id"]
@@ -180,13 +213,62 @@ class BatchApi:
             param = ".".join(str(p) for p in first["loc"]) or None
             raise ApiError(400, f"'{param}': {first['msg']}", param=param, code=pydantic_code(first["type"])) from None
         idempotency_key = request.headers.get("idempotency-key")
-        record = await run_in_threadpool(self._create_batch, owner, body, idempotency_key)
+        options, dry_run = batch_options(body, self.media, self.models, self.max_job_tokens)
+        if dry_run:
+            return JSONResponse(await run_in_threadpool(self._dry_run, owner, body, options))
+        record = await run_in_threadpool(self._create_batch, owner, body, options, idempotency_key)
         return JSONResponse(await run_in_threadpool(self.show, record))
 
-    def _create_batch(self, owner: str, body: CreateBatch, idempotency_key: str | None) -> BatchRecord:
+    def _dry_run(self, owner: str, body: CreateBatch, options: dict[str, Any]) -> dict[str, Any]:
+        """A batch that is quoted, not run: the Batch object it would be, ``completed`` with its
+        ``quote`` (see :mod:`anex_pipeline.stages.quote`), or ``failed`` with the problems its
+        input has, as a batch is failed. Nothing is stored: the id cannot be retrieved."""
+        window_s = completion_window_s(body.completion_window, self.max_window_s)
+        record = BatchRecord(
+            id=new_id("batch_dryrun_"),
+            owner=owner,
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id or "",
+            completion_window=body.completion_window,
+            created_at=now(),
+            metadata=body.metadata,
+            model=options.get("model"),
+        )
+        runner = self.worker.runner
+        scratch = self.store.scratch("dry-runs")
+        scratch.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=scratch) as folder:
+            if body.requests is not None:
+                path = Path(folder) / "requests.jsonl"
+                lines = [json.dumps({"method": "POST", "url": body.endpoint, **item}) + "\n" for item in body.requests]
+                path.write_text("".join(lines), encoding="utf-8")
+            else:
+                stored = self.store.file(owner, body.input_file_id or "")
+                if stored is None:
+                    raise not_found("file", body.input_file_id or "")
+                path = self.store.content_path(stored.id)
+            try:
+                quote = make_quote(
+                    path,
+                    job_options(options),
+                    Path(runner.storage.work_root).expanduser(),
+                    runner.engine.plain(),
+                    local_model=not runner.engine.base_url,
+                    completion_window_s=window_s,
+                    answer_scope=owner,
+                )
+            except JobRejected as exc:
+                errors = [BatchError(code=p.code, message=p.message, param=p.field, line=p.line) for p in exc.problems]
+                failed = record.model_copy(update={"errors": errors[:MAX_ERRORS], "failed_at": now()})
+                return {**failed.public(RequestCounts(), None), "dry_run": True}
+        done = record.model_copy(update={"completed_at": now()})
+        return {**done.public(RequestCounts(total=quote.rows), None), "dry_run": True, "quote": quote.model_dump()}
+
+    def _create_batch(
+        self, owner: str, body: CreateBatch, options: dict[str, Any], idempotency_key: str | None
+    ) -> BatchRecord:
         if idempotency_key is not None and (earlier := self.store.batch_for_key(owner, idempotency_key)) is not None:
             return earlier
-        options = batch_options(body, self.media, self.models, self.max_job_tokens)
         window_s = completion_window_s(body.completion_window, self.max_window_s)
         batch_id = new_id("batch_")
         embedded = self._embedded_input(owner, batch_id, body) if body.requests is not None else None
@@ -284,9 +366,16 @@ class BatchApi:
             log.exception("batch %s: its job's progress cannot be read", record.id)
             counts, usage = RequestCounts(), None
         shown = record.public(counts, usage)
+        if record.job_id is not None and not record.finished:  # the rows finished so far, as a file (see PARTIAL)
+            shown["partial_output_file_id"] = PARTIAL + record.id
         if with_results and record.embedded and record.finished:
             shown["results"] = self.worker.results(record)
         return shown
+
+
+def partial_batch_id(file_id: str) -> str | None:
+    """The batch whose finished rows a file id names (``file-partial-<batch id>``), else None."""
+    return file_id.removeprefix(PARTIAL) if file_id.startswith(PARTIAL) else None
 
 
 def page_limit(request: Request, default: int, most: int) -> int:
@@ -369,6 +458,7 @@ def create_app(
     max_completion_window_s: int | None = None,
     max_job_tokens: int | None = None,
     parsers: dict[str, str] | None = None,
+    replica: str | None = None,
 ) -> Starlette:
     """The Batch API on a runner's instance and storage. ``api_keys`` (raw keys, or
     ``sha256:<hex>`` hashes) replace the stored keys; without them the stored keys stay valid.
@@ -383,7 +473,9 @@ def create_app(
     output tokens one batch's rows may ask for together (None: the budget of every job,
     MAX_JOB_TOKENS); a batch may set a lower budget of its own. ``parsers``: the reasoning and
     tool-call parsers of every batch, by job option name (``reasoning_parser``, ``tool_parser``);
-    unset, each is chosen from the model, and a batch may not name one."""
+    unset, each is chosen from the model, and a batch may not name one. ``replica``: this
+    service's name among replicas over one database (see :mod:`~anex_pipeline.batch_api.worker`);
+    None: the host and process id."""
     store = Store(runner.instance, runner.storage.work_root)
     if api_keys is not None:
         store.set_keys(api_keys)
@@ -393,7 +485,7 @@ def create_app(
             "no API keys: start the service with --keys-file or ANEX_BATCH_API_KEYS "
             "(none are stored from an earlier start)"
         )
-    worker = BatchWorker(runner, store, max_running_batches)
+    worker = BatchWorker(runner, store, max_running_batches, replica)
     served = ServedModels(models, adapters=list(runner.engine.lora_modules), parsers=parsers)
     api = BatchApi(store, worker, key_hashes, media or MediaOptions(), served, max_completion_window_s, max_job_tokens)
     store.keep_events = webhook is not None

@@ -33,6 +33,7 @@ from anex_pipeline.validate.numbers import MAX_JOB_TOKENS
 from anex_pipeline.validate.problems import pydantic_code
 
 OPTIONS_METADATA_KEY = "anex_options"
+DRY_RUN = "dry_run"  # among a batch's options: answer with the batch's quote, run nothing
 
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on a batch's metadata
@@ -165,11 +166,12 @@ def _reference(name: str) -> str:
 
 def batch_options(
     body: CreateBatch, media: MediaOptions, models: ServedModels, max_job_tokens: int = MAX_JOB_TOKENS
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bool]:
     """The job options of a batch: ``metadata["anex_options"]`` (a JSON object as a string), then
     the ``anex_options`` body field over it, the batch's endpoint, its model (one the service
     serves), the service's media policy narrowed by the caller's ``media``, and the service's
-    budget of output tokens (``max_job_tokens``), which a batch may only lower; checked here."""
+    budget of output tokens (``max_job_tokens``), which a batch may only lower; checked here.
+    With them, whether the batch is a dry run (``dry_run: true`` among those options): quoted, not run."""
     if body.endpoint not in ENDPOINT_BY_URL:
         supported = ", ".join(ENDPOINT_BY_URL)
         raise ApiError(
@@ -193,6 +195,9 @@ def batch_options(
         except OptionsError as exc:
             raise ApiError(400, f"{exc}.", param=f"metadata.{OPTIONS_METADATA_KEY}", code=exc.code) from None
     options.update(body.anex_options or {})
+    dry_run = options.pop(DRY_RUN, False)
+    if type(dry_run) is not bool:
+        raise ApiError(400, f"{DRY_RUN} must be true or false.", param=f"{OPTIONS_METADATA_KEY}.{DRY_RUN}")
     check_option_sizes(options)
     models.check_engine_options(options)
     options["media"] = narrowed_media(options.get("media"), media)
@@ -223,7 +228,7 @@ def batch_options(
         checked = job_options(options)
         if (problem := option_problem(checked)) is not None:  # a batch's input is JSONL
             raise JobRejected([problem])
-        return checked.model_dump(exclude_defaults=True)
+        return checked.model_dump(exclude_defaults=True), dry_run
     except JobRejected as exc:
         raise ApiError(
             400,

@@ -17,6 +17,13 @@ batch's ``expires_at`` is the job's deadline, kept across restarts of the servic
 service (or SIGINT/SIGTERM to it) stops the running job the same way but leaves the batch in
 progress: the next start resumes it from its checkpoints.
 
+Replicas of the service over one database and one work folder share the batches through leases in
+the batch records (:mod:`anex_pipeline.batches.leases`): a thread works on a batch only once its
+replica has taken the batch's lease, a keeper thread renews the leases held every third of their
+time and looks for batches no live replica holds (a replica that died stops renewing), and a
+replica that closes lets its batches go at once. A replica that finds it lost a lease (it could not
+renew in time, and another took the batch over) stops the batch's job without finishing it.
+
 At about 440 lines this module is over the project's usual size because :class:`BatchWorker` is one
 state machine (checked, waiting for its model's turn, running, cancelled, expired, resumed after a
 restart) whose steps share its queues, its turn condition and the store; split, each half would
@@ -28,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -36,17 +45,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from anex_pipeline import settings
 from anex_pipeline.batch_api.fair_queue import FairQueue
+from anex_pipeline.batches.leases import LeaseLost
 from anex_pipeline.batches.objects import BatchError, BatchRecord, now
 from anex_pipeline.batches.store import Store
 from anex_pipeline.engine.loader import engine_key
 from anex_pipeline.engine.models import resolve_model
 from anex_pipeline.engine.sharing import sharing_as
 from anex_pipeline.errors import AnexError, JobStopped, RowErrorType
-from anex_pipeline.formats.envelope import unanswered_line
 from anex_pipeline.runner import JobRunner
 from anex_pipeline.spec import JobRejected, RequestCounts, RowError, Usage
 from anex_pipeline.stages.generate import live_progress
+from anex_pipeline.stages.merge_partial import with_unrun_lines
 from anex_pipeline.stages.submit import default_report_path
 from anex_pipeline.stopping import clear_stop, engine_loading, on_stop_signals, request_stop
 from anex_pipeline.workdir.manifest import JobDir, JobManifest, read_report
@@ -58,6 +69,7 @@ CLOSE_WAIT_S = 30.0  # how long closing waits for the running jobs to stop and m
 MAX_RUNNING = 4  # batches generating at once, by default
 CANCELLED = "cancelled through the Batch API"
 SERVICE_STOPPED = "the Batch API service stopped; the batch resumes when it starts again"
+TAKEN_OVER = "another replica of the Batch API service took the batch over"
 LOST = "the batch's work and its copy of the input were removed from the service before it finished; create it again"
 # Error of a row that never ran, by the code OpenAI gives it.
 UNRUN = {
@@ -66,12 +78,23 @@ UNRUN = {
 }
 
 
+def default_replica() -> str:
+    """This process's name as a lease holder: the same for every worker of the process, so that
+    a service started again in one process goes on with the batches it held."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 class BatchWorker:
-    def __init__(self, runner: JobRunner, store: Store, max_running: int = MAX_RUNNING):
+    def __init__(self, runner: JobRunner, store: Store, max_running: int = MAX_RUNNING, replica: str | None = None):
         if max_running < 1:
             raise ValueError(f"batches in progress at once must be at least 1, got {max_running}")
         self.runner = runner
         self.store = store
+        self.replica = replica or default_replica()  # the holder of this worker's leases
+        self.lease_s = float(settings.BATCH_LEASE_S.get())
+        self._pending: set[str] = set()  # batch ids in a queue here or being worked on here
+        self._held: set[str] = set()  # batch ids whose lease this worker holds
+        self._lost: set[str] = set()  # batch ids whose lease another replica took over
         self._checks = FairQueue(max_running)
         self._runs = FairQueue(max_running)
         self._closing = threading.Event()
@@ -87,14 +110,17 @@ class BatchWorker:
             threading.Thread(target=self._loop, args=(self._runs, self._run), name=f"batch-run-{n}", daemon=True)
             for n in range(max_running + 1)
         ]
-        self._threads = self._checkers + self._runners
+        keeper = threading.Thread(target=self._keep_leases, name="batch-leases", daemon=True)
+        self._threads = [*self._checkers, *self._runners, keeper]
         self._saved: dict[Path, _Saved] = {}  # checkpoint -> its rows, as of its size then
 
     def start(self) -> None:
-        """Takes up the batches a previous start left unfinished, then waits for new ones. A stop
-        signal to the service stops the running job at once, before the server winds down."""
+        """Takes up the unfinished batches no other replica holds (those a previous start left
+        among them), then waits for new ones. A stop signal to the service stops the running job
+        at once, before the server winds down."""
         for record in self.store.unfinished():
-            self.enqueue(record)
+            if (held := self.store.lease(record.id)) is None or held[0] == self.replica or held[1] <= time.time():
+                self.enqueue(record)
         on_stop_signals(self._wind_down)
         for thread in self._threads:
             thread.start()
@@ -152,6 +178,11 @@ class BatchWorker:
             request_stop(job, SERVICE_STOPPED)
 
     def enqueue(self, record: BatchRecord) -> None:
+        """Queues the batch here, unless it is queued or worked on here already."""
+        with self._turn:
+            if record.id in self._pending:
+                return
+            self._pending.add(record.id)
         (self._checks if record.job_id is None else self._runs).put(record.owner, record.id)
 
     def cancel(self, record: BatchRecord) -> BatchRecord:
@@ -228,42 +259,104 @@ class BatchWorker:
         return dict(by_status), waiting
 
     # -- the threads -------------------------------------------------------------------------
-    def _loop(self, jobs: FairQueue, work: Callable[[str], None]) -> None:
+    def _loop(self, jobs: FairQueue, work: Callable[[str], bool]) -> None:
+        """Works on the batches of ``jobs`` whose lease this replica holds or takes; ``work`` tells
+        whether it handed the batch on to another queue of this worker (it then stays held)."""
         while (taken := jobs.get()) is not None and not self._closing.is_set():
             owner, batch_id = taken
+            handed_on = False
             try:
-                work(batch_id)
+                if self._hold(batch_id):
+                    handed_on = work(batch_id)
+            except LeaseLost:
+                log.warning("batch %s: %s", batch_id, TAKEN_OVER)
             except Exception as exc:  # a batch's failure must not end the worker
                 log.exception("batch %s failed", batch_id)
                 # The service's own faults name its files: the tenant gets the line, the log the rest.
                 why = exc.message if isinstance(exc, AnexError) else "an error in the service (its log has the details)"
                 self._fail(batch_id, f"the batch could not be run: {why}")
             finally:
+                if not handed_on:
+                    self._let_go(batch_id)
                 jobs.done(owner)
 
-    def _check(self, batch_id: str) -> None:
+    # -- leases: which replica works on a batch ---------------------------------------------------
+    def _hold(self, batch_id: str) -> bool:
+        """Takes (or renews) the batch's lease for this replica; False when another one holds it."""
+        if not self.store.take_up(batch_id, self.replica, self.lease_s):
+            return False
+        with self._turn:
+            self._held.add(batch_id)
+            self._lost.discard(batch_id)
+        return True
+
+    def _let_go(self, batch_id: str) -> None:
+        """This worker no longer works on the batch (finished, given up, or the service closing):
+        its lease goes, so that any replica may take up what is left of it at once."""
+        with self._turn:
+            self._pending.discard(batch_id)
+            held = batch_id in self._held
+            self._held.discard(batch_id)
+        if held:
+            self.store.release(batch_id, self.replica)
+
+    def _keep_leases(self) -> None:
+        """Every third of a lease's time: renews the leases held (a lease found taken over stops
+        its job here), and queues the unfinished batches that no live replica holds."""
+        while not self._closing.wait(self.lease_s / 3):
+            with self._turn:
+                held = list(self._held)
+            for batch_id in held:
+                try:
+                    renewed = self.store.renew(batch_id, self.replica, self.lease_s)
+                except Exception:  # the database away for a moment: the next round tries again
+                    log.exception("renewing the lease of batch %s failed", batch_id)
+                    continue
+                if not renewed:
+                    self._taken_over(batch_id)
+            try:
+                for record in self.store.unclaimed_batches():
+                    self.enqueue(record)
+            except Exception:
+                log.exception("looking for batches no replica holds failed")
+
+    def _taken_over(self, batch_id: str) -> None:
+        log.warning("batch %s: %s; its job here stops", batch_id, TAKEN_OVER)
+        with self._turn:
+            self._held.discard(batch_id)
+            self._lost.add(batch_id)
+            job = self._running.get(batch_id)
+            if (cut := self._checking.get(batch_id)) is not None:
+                cut.set()
+        if job is not None:
+            request_stop(job, TAKEN_OVER)
+
+    def _check(self, batch_id: str) -> bool:
         cut = threading.Event()
         with self._turn:  # before the record is read: a cancel from now on reaches the check
             self._checking[batch_id] = cut
         try:
-            self._check_input(batch_id, cut)
+            return self._check_input(batch_id, cut)
         finally:
             with self._turn:
                 del self._checking[batch_id]
 
-    def _check_input(self, batch_id: str, cut: threading.Event) -> None:
+    def _check_input(self, batch_id: str, cut: threading.Event) -> bool:
         """Checks the batch's input as a job; a cancel (or the service closing) ends the check
-        between two chunks of rows: the batch is then cancelled (or checked again at the next start)."""
+        between two chunks of rows: the batch is then cancelled (or checked again at the next
+        start). True when the checked batch went on to the queue of batches to run."""
         record = self.store.batch(batch_id)
         if record is None or record.finished:
-            return
+            return False
         if record.cancelling_at is not None:
             self.store.update_batch(batch_id, cancelled_at=now())
-            return
+            return False
 
         def stop() -> None:
             if cut.is_set():
-                raise JobStopped(SERVICE_STOPPED if self._closing.is_set() else CANCELLED)
+                raise JobStopped(
+                    SERVICE_STOPPED if self._closing.is_set() else TAKEN_OVER if self._is_lost(batch_id) else CANCELLED
+                )
 
         try:
             job = self.runner.submit(
@@ -275,46 +368,50 @@ class BatchWorker:
                 answer_scope=record.owner,  # a tenant's stored answers are its own
             )
         except JobStopped:
-            if not self._closing.is_set():
-                self.store.update_batch(batch_id, cancelled_at=now())
-            return
+            if not self._closing.is_set() and not self._is_lost(batch_id):
+                self.store.update_batch(batch_id, cancelled_at=now(), held_by=self.replica)
+            return False
         except JobRejected as exc:
             errors = [
                 BatchError(code=p.code, message=p.message, param=p.field, line=p.line)
                 for p in exc.problems[:MAX_ERRORS]
             ]
-            self.store.update_batch(batch_id, errors=errors, failed_at=now())
-            return
+            self.store.update_batch(batch_id, errors=errors, failed_at=now(), held_by=self.replica)
+            return False
         record = self.store.update_batch(
-            batch_id, job_id=job.job_id, model=job.manifest().model_name, in_progress_at=now()
+            batch_id, job_id=job.job_id, model=job.manifest().model_name, in_progress_at=now(), held_by=self.replica
         )
         if record.cancelling_at is not None:  # cancelled while it was being checked
             request_stop(job, CANCELLED)
         self._runs.put(record.owner, batch_id)
+        return True
 
-    def _run(self, batch_id: str) -> None:
+    def _is_lost(self, batch_id: str) -> bool:
+        with self._turn:
+            return batch_id in self._lost
+
+    def _run(self, batch_id: str) -> bool:
         record = self.store.batch(batch_id)
         if record is None or record.finished or record.job_id is None:
-            return
+            return False
         job = self.runner.storage.job(record.job_id)
         if not job.exists():
-            self._check_again(record)
-            return
+            return self._check_again(record)
         engine = engine_key(self.runner.engine.plain(), job.manifest())
         if not self._take_turn(batch_id, job, engine):
-            return
+            return False
         try:
             # A stop left by an earlier start must not stop this run, but a cancel from now on
             # must: so the stop is cleared before the record is read again, not by the runner.
             clear_stop(job)
             record = self.store.batch(batch_id) or record
-            if self._closing.is_set():
-                return
+            if self._closing.is_set() or self._is_lost(batch_id):
+                return False
             if record.cancelling_at is None:
                 with sharing_as(record.owner):  # the engine's room is shared out per API key
                     self.runner.run(job, clear_stop=False, until=_window_end(record))
-                if self._closing.is_set():
-                    return  # not finished: the next start resumes it
+                if self._closing.is_set() or self._is_lost(batch_id):
+                    return False  # not finished: the next start, or the replica that took it over, goes on
         finally:
             with self._turn:
                 del self._running[batch_id]
@@ -323,18 +420,20 @@ class BatchWorker:
                 self._turn.notify_all()
         if record.cancelling_at is not None:  # cancelled before it ran: merge and publish what was finished
             self.runner.run(job, shards=[], clear_stop=False, until=_window_end(record))
-        self._finalize(self.store.update_batch(batch_id, finalizing_at=now()), job)
+        self._finalize(self.store.update_batch(batch_id, finalizing_at=now(), held_by=self.replica), job)
+        return False
 
-    def _check_again(self, record: BatchRecord) -> None:
+    def _check_again(self, record: BatchRecord) -> bool:
         """Takes up a batch whose job's folder was removed before it finished (while the service
-        was down, say): from its own copy of its input it is checked and run again from the start;
-        without that copy it fails."""
+        was down, say): from its own copy of its input it is checked and run again from the start
+        (True: it went to the check queue); without that copy it fails."""
         if not self.store.input_path(record.id).exists():
             self._fail(record.id, LOST)
-            return
+            return False
         log.warning("batch %s: its job %s is gone; checking and running it again", record.id, record.job_id)
-        self.store.update_batch(record.id, job_id=None, in_progress_at=None)
+        self.store.update_batch(record.id, job_id=None, in_progress_at=None, held_by=self.replica)
         self._checks.put(record.owner, record.id)
+        return True
 
     def _take_turn(self, batch_id: str, job: JobDir, engine: Hashable) -> bool:
         """Waits until no batch runs on another engine (one is loaded at a time), then counts the
@@ -362,7 +461,7 @@ class BatchWorker:
         if ended == "failed_at":
             reason = report.failure_reason if report is not None else "the job ended without a report"
             files["errors"] = [BatchError(code="job_failed", message=reason or "the job failed")]
-        self.store.update_batch(record.id, **{ended: now()}, **files)
+        self.store.update_batch(record.id, **{ended: now()}, **files, held_by=self.replica)
 
     def _deliver(self, record: BatchRecord, job: JobDir, unrun: str | None) -> dict[str, Any]:
         """Writes rows with a response to the output file and rows with an error to the error
@@ -442,11 +541,6 @@ def _result_lines(job: JobDir, unrun: str | None) -> Iterator[tuple[bytes, bool]
                 yield line, json.loads(line)["error"] is not None
             return
         error = RowError(message=UNRUN[unrun], type=RowErrorType.BATCH, code=unrun).as_dict()
-        for shard in range(len(job.manifest().shards)):
-            answered = {o.i for o in job.outcomes(shard)}  # the rows the result has a line for
-            for row in job.read_requests(shard):
-                if row.index in answered:
-                    line = next(src)
-                    yield line, json.loads(line)["error"] is not None
-                else:
-                    yield unanswered_line(row.key, error), True
+        # the rows the result has a line for, and every request, shard by shard
+        shards = (({o.i for o in job.outcomes(n)}, job.read_requests(n)) for n in range(len(job.manifest().shards)))
+        yield from with_unrun_lines(src, shards, error)

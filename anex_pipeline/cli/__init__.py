@@ -1,4 +1,4 @@
-"""The ``anex-pipeline`` command: run, validate, backfill, report, serve, and list, delete and prune jobs.
+"""The ``anex-pipeline`` command: run, validate, backfill, results, report, serve, and list, delete and prune jobs.
 
 Exit codes (:class:`~anex_pipeline.errors.ExitCode`): 0 when the job completed with at least one row
 answered (other rows may have failed), 1 when it failed, stopped early or no row succeeded, 2 when
@@ -15,7 +15,7 @@ import sys
 from types import FrameType
 
 from anex_pipeline.cli.admin_commands import cmd_delete, cmd_list, cmd_machine_server, cmd_prune
-from anex_pipeline.cli.commands import cmd_backfill, cmd_report, cmd_run, cmd_serve, cmd_validate
+from anex_pipeline.cli.commands import cmd_backfill, cmd_report, cmd_results, cmd_run, cmd_serve, cmd_validate
 from anex_pipeline.cli.parser import build_parser
 from anex_pipeline.engine import collector
 from anex_pipeline.errors import AnexError, ExitCode
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None, *, own_terminal: bool = False) -> int:
         "validate": cmd_validate,
         "backfill": cmd_backfill,
         "report": cmd_report,
+        "results": cmd_results,
         "serve": cmd_serve,
         "list": cmd_list,
         "delete": cmd_delete,

@@ -1,4 +1,4 @@
-"""What the commands that run jobs do (``run``, ``backfill``, ``validate``, ``report``, ``serve``),
+"""What the commands that run jobs do (``run``, ``backfill``, ``validate``, ``results``, ``report``, ``serve``),
 one function per command, and the runner they share; the commands that look after jobs are in
 :mod:`anex_pipeline.cli.admin_commands`."""
 
@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -276,25 +277,87 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, options: Any, path: Path) -> int:
-    from anex_pipeline.engine.adapters import adapter_problems
-    from anex_pipeline.spec import JobRejected, Problem
-    from anex_pipeline.stages.submit import Problems, check_input, model_problems
+    from anex_pipeline.stages.submit import accepted_rows
 
-    kind, endpoint, rows = check_input(path, options)
     # A job sent to a model server (ANEX_ENGINE_BASE_URL) runs the server's model: nothing to look for here.
     local = not settings.ENGINE_BASE_URL.get()
-    problems = Problems((model_problems(options.model) if local else []) + adapter_problems(options, endpoint, local))
-    count = 0
-    for item in rows:
-        if isinstance(item, Problem):
-            problems.add(item)
-        else:
-            count += 1
-    if problems:
-        raise problems.rejection()
-    if count == 0:
-        raise JobRejected([Problem(f"input file {args.input} has no rows")])
+    if args.quote or args.quote_sample:
+        return _quote(args, options, path, local)
+    kind, endpoint, rows = accepted_rows(path, options, local_model=local)
+    count = sum(1 for _ in rows)
     print(f"ok: {count} rows, {kind.name}, {endpoint} endpoint")
+    return ExitCode.OK
+
+
+def _quote(args: argparse.Namespace, options: Any, path: Path, local: bool) -> int:
+    """``validate --quote``: the quote on one screen (or JSON), kept for the report of the job's run."""
+    from anex_pipeline.console import quiet_engine_output
+    from anex_pipeline.engine.config import EngineConfig
+    from anex_pipeline.engine.loader import release_engines
+    from anex_pipeline.paths import default_work_root
+    from anex_pipeline.stages.quote import make_quote, quote_lines
+    from anex_pipeline.storage import is_s3
+    from anex_pipeline.workdir import layout
+    from anex_pipeline.workdir.manifest import file_sha256, make_job_id
+    from anex_pipeline.workdir.quotes import save_quote
+
+    work_root = Path(args.work_dir or default_work_root()).expanduser()
+    if args.quote_sample < 0:
+        raise UsageError(f"--quote-sample takes a number of rows (0 or more), got {args.quote_sample}")
+    engine = EngineConfig(base_url=settings.ENGINE_BASE_URL.get() or None)
+    if args.quote_sample:  # the engine's messages: never on stdout (the quote), at a terminal to a log file
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        if sys.stderr.isatty():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            log_path = quiet_engine_output(work_root / layout.LOGS_DIR / f"quote-{stamp}-{os.getpid()}.log")
+            print(f"generating {args.quote_sample} sample rows; engine messages go to {log_path}", file=sys.stderr)
+    try:
+        quote = make_quote(path, options, work_root, engine, local_model=local, sample=args.quote_sample)
+    finally:
+        if args.quote_sample:
+            release_engines()
+    if not is_s3(args.input):  # the id `run` gives the same input and options
+        job_id = make_job_id(path, file_sha256(path), options.model_dump(exclude_defaults=True))
+        with contextlib.suppress(OSError):
+            save_quote(work_root, job_id, quote)
+    if args.json:
+        print(quote.model_dump_json(indent=2))
+    else:
+        print("\n".join(quote_lines(quote)))
+    return ExitCode.OK
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    """The rows a job has finished so far, in input order, in the job's format; the job may be
+    running (see :mod:`anex_pipeline.stages.merge_partial`)."""
+    from anex_pipeline.formats.registry import FORMATS
+    from anex_pipeline.paths import default_work_root
+    from anex_pipeline.stages.merge_partial import write_finished_rows
+    from anex_pipeline.stages.submit import check_destinations, default_report_path
+    from anex_pipeline.storage import is_s3
+    from anex_pipeline.workdir.manifest import JobDir
+
+    work_root = Path(args.work_dir or default_work_root()).expanduser()
+    try:
+        job = JobDir(work_root, args.job_id)
+    except ValueError as exc:  # not a name a job folder can have
+        raise UsageError(f"no job {args.job_id[:80]!r}: {exc}") from None
+    if not job.exists():
+        raise UsageError(f"no job {args.job_id} under {work_root}; `anex-pipeline list` shows the jobs")
+    manifest = job.manifest()
+    kind = FORMATS[manifest.format]
+    if is_s3(args.output):
+        raise UsageError(f"-o {args.output}: results are written to a local file; copy it to S3 afterwards")
+    if not args.output.endswith(kind.suffix):
+        raise UsageError(f"job {args.job_id} is a {kind.title} job: name a {kind.suffix} file with -o")
+    out = Path(args.output).expanduser()
+    check_destinations(Path(manifest.input), str(out), default_report_path(str(out)), work_root=work_root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        counts = write_finished_rows(job, out, pending=args.pending)
+    except OSError as exc:
+        raise UsageError(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from None
+    print(counts.line(out, args.pending), file=sys.stderr)
     return ExitCode.OK
 
 
@@ -353,6 +416,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_completion_window_s=args.max_completion_window,
             max_job_tokens=args.max_job_tokens,
             parsers=parsers,
+            replica=f"{socket.gethostname()}:{args.port}",  # started again on its port, it goes on with its batches
         )
     except ValueError as exc:  # no API keys: nothing is loaded yet
         raise UsageError(str(exc)) from None

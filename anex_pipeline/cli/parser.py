@@ -235,7 +235,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="check an input file and its options without running it")
     val.add_argument("input")
+    val.add_argument(
+        "--quote",
+        action="store_true",
+        help="also say what the job would take: prompt tokens (the model's tokenizer), expected output tokens, "
+        "engine time and cost, from what earlier jobs of the work folder measured; loads no engine",
+    )
+    val.add_argument(
+        "--quote-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="quote (as --quote) with the expected output and speed measured by generating N of the rows now, "
+        "instead of from earlier jobs; loads the job's engine",
+    )
+    val.add_argument("--json", action="store_true", help="with --quote: print the quote as JSON")
     _add_option_flags(val)
+    _work_dir_flag(val)
 
     back = sub.add_parser("backfill", help="rerun chosen shards of a job, or every shard with failed or missing rows")
     back.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")
@@ -246,6 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--verbose", action="store_true", help="show the engine's own log lines")
     _json_flag(back)
     _engine_flags(back)
+
+    res = sub.add_parser(
+        "results", help="write the rows a job has finished so far (it may still be running), in input order"
+    )
+    res.add_argument("job_id", help="the job id printed by `run` (also the Dagster `jobs` partition)")
+    res.add_argument(
+        "-o", "--output", required=True, help="file to write, in the job's format (.jsonl or .parquet, as its input)"
+    )
+    res.add_argument(
+        "--pending",
+        action="store_true",
+        help="also write the rows that have not run yet, marked: an error of type 'pending' (default: left out)",
+    )
+    _work_dir_flag(res)
 
     rep = sub.add_parser("report", help="print the report of a finished job")
     rep.add_argument("path", help="the result file or its .report.json")

@@ -13,6 +13,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -35,21 +36,25 @@ from anex_pipeline.orchestration.resources import EngineResource, StorageResourc
 from anex_pipeline.spec import EstimateReport, JobRejected, JobReport
 from anex_pipeline.stages import fetch_media
 from anex_pipeline.stages.estimate import estimate_lengths, estimate_without_sample, length_histogram
-from anex_pipeline.stages.generate import run_shard
+from anex_pipeline.stages.generate import live_progress, run_shard
 from anex_pipeline.stages.generate_answer_store import open_store
 from anex_pipeline.stages.merge import merge_job
 from anex_pipeline.stages.merge_row_account import account_rows
 from anex_pipeline.stages.publish import publish_job
+from anex_pipeline.stages.quote import make_quote
 from anex_pipeline.stages.submit import prepare_job
 from anex_pipeline.stopping import load_interruptibly, request_stop, stopping_on_signals
 from anex_pipeline.storage import is_s3, localize_input
 from anex_pipeline.workdir import layout
 from anex_pipeline.workdir.manifest import JobDir
+from anex_pipeline.workdir.quotes import save_quote
 from anex_pipeline.workdir.shard_owner import ShardTakenOver
 from anex_pipeline.workdir.timing import record_served, record_timing
 
 GROUP = "batch_job"
 PROGRESS_EVERY_S = 5.0  # the run log gets a progress line at most this often
+QUOTE_ROWS = 100_000  # a submitted job of up to this many rows is quoted (its tokenizer pass takes seconds)
+OBSERVE_EVERY_S = 30.0  # and the generations asset an observation of its shard's progress
 progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
@@ -164,6 +169,7 @@ def validated_input(
     m = job.manifest()
     register_job(context.instance, job.job_id, len(m.shards))
     estimate = estimate_without_sample(job)
+    quoted = _quote(context, job, engine) if config.input else {}
     yield dg.MaterializeResult(
         metadata={
             "rows": m.total_rows,
@@ -173,12 +179,42 @@ def validated_input(
             "model": m.model_name,
             "input": m.input,
             "output": m.output,
+            **quoted,
         }
     )
     if estimate is not None:  # no sample to generate: the estimate is in, with no run of its own
         yield dg.AssetMaterialization(
             asset_key=length_estimate.key, partition=job.job_id, metadata=_estimate_metadata(estimate, {})
         )
+
+
+def _quote(context: dg.AssetExecutionContext, job: JobDir, engine: EngineResource) -> dict[str, Any]:
+    """The submitted job's quote as metadata (``quote``, with its main figures on their own), kept
+    for the job's report; a quote that cannot be made is logged and left out (the job goes on)."""
+    m = job.manifest()
+    if m.total_rows > QUOTE_ROWS:
+        return {
+            "quote": f"not made at submit for more than {QUOTE_ROWS:,} rows: anex-pipeline validate --quote makes one"
+        }
+    try:
+        quote = make_quote(
+            Path(m.input), m.job_options(), job.root.parent, engine.plain(), local_model=not engine.base_url
+        )
+        save_quote(job.root.parent, job.job_id, quote)
+    except Exception as exc:  # the quote only informs: the job was checked already
+        context.log.warning(f"no quote for job {job.job_id}: {exc}")
+        return {}
+    figures = {
+        "quote_prompt_tokens": quote.prompt_tokens,
+        "quote_output_tokens_expected": quote.output_tokens_expected,
+        "quote_output_tokens_cap": quote.output_tokens_cap,
+        "quote_engine_seconds": quote.engine_seconds,
+        "quote_cost": quote.cost,
+    }
+    return {
+        "quote": dg.MetadataValue.json(quote.model_dump()),
+        **{name: value for name, value in figures.items() if value is not None},
+    }
 
 
 @dg.asset(
@@ -252,16 +288,29 @@ def generations(
         report = ShardProgress(job.job_id, shard, done, total, tokens, waiting=done < total and not generating)
         progress_log.info("shard %s: %d/%d rows", shard, done, total, extra={PROGRESS_FIELD: report})
 
+    last_observed = [0.0]
+
     def progress(done: int, total: int, tokens: int) -> None:
         tell(done, total, tokens)  # the command's display, at every row
         now = time.monotonic()
         if generating and (now - last_line[0] >= PROGRESS_EVERY_S or done == total):
             last_line[0] = now
             rows_per_s, tokens_per_s = _rates(done - first_done[0], tokens, now - generating[0])
+            live = live_progress(job, shard)
+            failed = live.failed if live is not None else 0
             context.log.info(
-                f"{done}/{total} rows done, {tokens} tokens generated "
+                f"{done}/{total} rows done ({failed} failed), {tokens} tokens generated "
                 f"({rows_per_s:.1f} rows/s, {tokens_per_s:.1f} output tok/s)"
             )
+            if now - last_observed[0] >= OBSERVE_EVERY_S or done == total:  # on the asset's page, as it goes
+                last_observed[0] = now
+                figures = {"rows_done": done, "rows": total, "failed": failed, "output_tokens": tokens}
+                rates = {"rows_per_s": round(rows_per_s, 3), "output_tokens_per_s": round(tokens_per_s, 3)}
+                context.log_event(
+                    dg.AssetObservation(
+                        asset_key=context.asset_key, partition=context.partition_key, metadata={**figures, **rates}
+                    )
+                )
 
     def engine_in_hand() -> Any:
         loaded = engine.engine_for(manifest, job)

@@ -248,6 +248,7 @@ def delete_job(instance: dg.DagsterInstance, job: JobDir) -> None:
             instance.delete_run(run.run_id)
         forget_job(instance, job.job_id, count)
         drop_answers(job.root.parent, job.job_id)
+        shutil.rmtree(job.step_files, ignore_errors=True)
         if folder:
             shutil.rmtree(job.root)
     finally:

@@ -16,11 +16,11 @@ from anex_pipeline.workdir.tally import RowTally
 from anex_pipeline.workdir.timing import record_timing
 
 
-def merge_input(job: JobDir, manifest: JobManifest) -> MergeInput:
-    """What the job's format merges: its input, endpoint, options and shard checkpoints."""
-    shards = [
-        ShardCheckpoint(job.checkpoint_path(n, manifest), rng.start, rng.stop) for n, rng in enumerate(manifest.shards)
-    ]
+def merge_input(job: JobDir, manifest: JobManifest, checkpoints: list[Path] | None = None) -> MergeInput:
+    """What the job's format merges: its input, endpoint, options and shard checkpoints
+    (``checkpoints``: copies of them to read instead, in shard order)."""
+    paths = checkpoints or [job.checkpoint_path(n, manifest) for n in range(len(manifest.shards))]
+    shards = [ShardCheckpoint(path, rng.start, rng.stop) for path, rng in zip(paths, manifest.shards, strict=True)]
     return MergeInput(Path(manifest.input), manifest.endpoint, manifest.job_options(), shards)
 
 

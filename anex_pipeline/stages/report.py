@@ -4,9 +4,10 @@ as one :class:`~anex_pipeline.spec.JobReport`. The merge writes it into the work
 
 from __future__ import annotations
 
-from anex_pipeline.spec import JobReport, JobStatus, Throughput, Usage
+from anex_pipeline.spec import JobReport, JobStatus, QuoteCheck, Throughput, Usage
 from anex_pipeline.workdir.manifest import JobDir, JobManifest
 from anex_pipeline.workdir.outputs import dropped_entries, read_estimate, reusable_samples, served_rows
+from anex_pipeline.workdir.quotes import read_quote
 from anex_pipeline.workdir.tally import RowTally
 from anex_pipeline.workdir.timing import read_engine, read_served, read_timings
 
@@ -34,6 +35,8 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         output_tokens_per_s=round(usage.completion_tokens / busy, 3) if busy else 0.0,
     )
     from_earlier_jobs = served_rows(job, len(manifest.shards))
+    cost = _cost(manifest, usage)
+    quoted = read_quote(job)
     return JobReport(
         job_id=manifest.job_id,
         status=status,
@@ -56,7 +59,16 @@ def build_report(job: JobDir, manifest: JobManifest, tally: RowTally) -> JobRepo
         rows_by_model=manifest.rows_by_model,
         served_by=read_served(job),
         engine=read_engine(job),
-        cost=_cost(manifest, usage),
+        cost=cost,
+        quote=None
+        if quoted is None
+        else QuoteCheck(
+            quoted=quoted,
+            prompt_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            engine_seconds=round(busy, 3),
+            cost=cost,
+        ),
     )
 
 
@@ -71,8 +83,4 @@ def _cost(manifest: JobManifest, usage: Usage) -> float | None:
     prices = manifest.job_options().prices
     if prices is None:
         return None
-    cached = usage.cached_prompt_tokens if prices.cached_input_per_1k is not None else 0
-    total = (usage.prompt_tokens - cached) / 1000 * prices.input_per_1k
-    total += cached / 1000 * (prices.cached_input_per_1k or 0.0)
-    total += usage.completion_tokens / 1000 * prices.output_per_1k
-    return round(total, 6)
+    return prices.cost(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)

@@ -152,6 +152,34 @@ def check_input(path: Path, options: JobOptions) -> tuple[Format, Endpoint, Iter
     return kind, endpoint, rows()
 
 
+def accepted_rows(
+    path: Path, options: JobOptions, local_model: bool = True
+) -> tuple[Format, Endpoint, Iterator[InputRow]]:
+    """A look at a job without preparing it (``validate``, a quote): its format, endpoint and
+    accepted rows one by one. Once every row has been read, the rows raise the job's rejection if
+    the input, a row, the model (``local_model``: one this machine loads) or an adapter has a
+    problem, or there are no rows."""
+    kind, endpoint, rows = check_input(path, options)
+    problems = Problems(
+        (model_problems(options.model) if local_model else []) + adapter_problems(options, endpoint, local_model)
+    )
+
+    def accepted() -> Iterator[InputRow]:
+        count = 0
+        for item in rows:
+            if isinstance(item, Problem):
+                problems.add(item)
+            else:
+                count += 1
+                yield item
+        if not problems and count == 0:
+            problems.add(Problem(f"input file {path} has no rows"))
+        if problems:
+            raise problems.rejection()
+
+    return kind, endpoint, accepted()
+
+
 def model_problems(model: str | None) -> list[Problem]:
     """The job's model as a problem when this machine cannot load it (see :func:`model_unavailable`)."""
     why = model_unavailable(model)

@@ -28,6 +28,9 @@ are never a job's: no job may take their names, and ``delete`` and ``prune`` nev
     <work root>/inputs/           s3:// inputs that ``run`` downloaded
     <work root>/batch-api/        the Batch API's stored files and its batches' inputs and results
     <work root>/answer-store/     answers of deterministic rows kept across jobs
+    <work root>/llm-steps/<job id>/  the rendered input and the result of an LLM step's job in a
+                                  user's Dagster project, removed with the job
+    <work root>/quotes/           the last quote of each job id, for its report
 """
 
 from __future__ import annotations
@@ -55,9 +58,13 @@ LOGS_DIR = "logs"
 INPUTS_DIR = "inputs"
 BATCH_API_DIR = "batch-api"
 ANSWER_STORE_DIR = "answer-store"
+STEP_FILES_DIR = "llm-steps"
+QUOTES_DIR = "quotes"
 WORK_ROOT_FOLDERS = {
     LOGS_DIR: "the commands' log folder",
     INPUTS_DIR: "the folder of downloaded inputs",
     BATCH_API_DIR: "the Batch API's folder",
     ANSWER_STORE_DIR: "the answer store across jobs",
+    STEP_FILES_DIR: "the LLM steps' inputs and results",
+    QUOTES_DIR: "the folder of quotes",
 }

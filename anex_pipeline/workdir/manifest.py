@@ -126,6 +126,12 @@ class JobDir:
         self._manifest: tuple[tuple[int, int, int], JobManifest] | None = None  # (file stamp, parsed)
 
     @property
+    def step_files(self) -> Path:
+        """Where an LLM step of a user's Dagster project keeps this job's input and result (a
+        folder of the work root's own, since a job's result may not lie in its job folder)."""
+        return self.root.parent / layout.STEP_FILES_DIR / self.job_id
+
+    @property
     def manifest_path(self) -> Path:
         return self.root / layout.MANIFEST
 

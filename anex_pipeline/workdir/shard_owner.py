@@ -10,12 +10,15 @@ an earlier one cannot append another row, and fails with :class:`ShardTakenOver`
 
 The lock is ``flock`` on a file in the shard's folder, held only for one check and one append,
 so it works wherever the work folder's ``flock`` does (local disks; NFS maps it onto its locks).
+A reader of a running shard's rows takes it too, for as long as it copies the checkpoint
+(:func:`copy_checkpoint`): the copy then holds whole appends only, each already on disk.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -97,3 +100,20 @@ class ShardOwner:
                 f"{CLAIM_WAIT_S:.0f} s by a writer that does not go on (a frozen process?); "
                 "end that process, or retry the shard"
             ) from None
+
+
+def copy_checkpoint(shard_dir: Path, shard: int, source: Path, target: Path) -> None:
+    """Copies a shard's checkpoint to ``target`` between two appends, under the lock every append
+    takes: no append is half written in the copy, and none that could still be cut back (a write
+    that fails is cut back before its writer lets go). A checkpoint not written yet copies as no
+    file. What a writer killed mid-append left stays in the copy as it stays in the checkpoint, and
+    the checkpoint's readers skip it alike."""
+    if not shard_dir.is_dir():
+        return
+    owner = ShardOwner(shard_dir, shard)
+    with owner._locked():
+        try:
+            with source.open("rb") as src, target.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except FileNotFoundError:
+            target.unlink(missing_ok=True)

@@ -411,4 +411,41 @@ def build_tiny_whisper(folder: Path, *, seed: int = 0) -> Path:
     ).save_pretrained(folder)
     sounds = WhisperFeatureExtractor(feature_size=80, sampling_rate=AUDIO_RATE)
     WhisperProcessor(feature_extractor=sounds, tokenizer=tokenizer).save_pretrained(folder)
+
+
+NEAR_FREE_HIDDEN = 64  # one attention head of HEAD_DIM: the narrowest decoder the CPU attention backend takes
+
+
+def build_near_free_chat_model(folder: Path, *, seed: int = 0) -> Path:
+    """A random 2-layer Llama, NEAR_FREE_HIDDEN wide with one head, on the embedded SmolLM2's
+    tokenizer and chat template (its files copied): rows are rendered and tokenised as for the
+    embedded model, but a forward pass costs next to nothing, so a job on it measures the code
+    around the model. The embedding is SmolLM2's vocabulary (49,152) by NEAR_FREE_HIDDEN, tied
+    to the output layer; a token of KV cache is 1 KiB."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from anex_pipeline.engine.models import prepare_default_chat_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    source = prepare_default_chat_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, folder / name)
+    like = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config = LlamaConfig(
+        vocab_size=like["vocab_size"],
+        hidden_size=NEAR_FREE_HIDDEN,
+        intermediate_size=2 * NEAR_FREE_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=NEAR_FREE_HIDDEN // HEAD_DIM,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=like["max_position_embeddings"],
+        bos_token_id=like["bos_token_id"],
+        eos_token_id=like["eos_token_id"],
+        pad_token_id=like["pad_token_id"],
+        tie_word_embeddings=True,
+    )
+    save_random(LlamaForCausalLM, config, folder, seed=seed)
     return folder

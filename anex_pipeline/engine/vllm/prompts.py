@@ -34,54 +34,19 @@ class RequestProblem(AnexError):
         self.code = code
 
 
-class PromptRenderer:
-    """Renders and tokenises rows for one loaded ``vllm.LLM``."""
+class TextPrompts:
+    """Renders and tokenises text rows with a model's tokenizer alone, as the engine does: a chat
+    row through the model's chat template, a completions prompt as it is. ``context``: the
+    model's context length, which ``truncate_prompt_tokens: -1`` keeps (None: not known, no cut)."""
 
-    def __init__(self, llm: Any, model_name: str):
-        self.llm = llm
-        self.tokenizer = llm.get_tokenizer()
+    def __init__(self, tokenizer: Any, model_name: str, context: int | None = None):
+        self.tokenizer = tokenizer
         self.model_name = model_name
-        config = llm.llm_engine.model_config
-        self.multimodal = bool(getattr(config, "is_multimodal_model", False))
-        self.modalities = _modalities(llm) if self.multimodal else frozenset()
-        self.audio_rate = _fixed_audio_rate(llm) if "audio" in self.modalities else None
+        self.context = context
 
-    def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
-        """The tokens of the row's rendered prompt, kept on the request (4 bytes a token) until it
-        is sent; None when the row cannot be rendered (sending it refuses it with the reason)."""
-        if self.multimodal and req.endpoint == "chat" and any(_media_parts(req.body["messages"])):
-            return None  # vLLM's renderer makes its tokens (and the parts are checked) when it is sent
-        try:
-            req.prompt_ids = array("i", self._prompt_ids(req))
-        except Exception:
-            return None
-        return req.prompt_ids
-
-    def prompt(self, req: EngineRequest) -> tuple[Any, list[int]]:
-        """What the engine is given for a row, and the prompt's token ids as the model sees them.
-
-        A chat row with media on a multimodal model goes through vLLM's own chat renderer: it
-        puts the model's placeholder for each image into the conversation, decodes the ``data:``
-        URLs the media stage left and runs the model's processor, whose expanded token ids (one
-        per image token) are what the row's usage and context room count. Every other row is
-        rendered and tokenised here.
-        """
-        from vllm.inputs import TokensPrompt
-
-        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
-            from vllm.renderers import ChatParams
-
-            kwargs = {**req.template_arguments, "tools": req.body.get("tools")}
-            chat = ChatParams(chat_template_kwargs=kwargs, mm_processor_kwargs=req.body.get("mm_processor_kwargs"))
-            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], chat)
-            return prompts[0], list(prompts[0]["prompt_token_ids"])
-        ids = self._prompt_ids(req)
-        return TokensPrompt(prompt_token_ids=ids), ids
-
-    def _prompt_ids(self, req: EngineRequest) -> list[int]:
-        if req.prompt_ids is not None:  # rendered ahead to order the rows: handed over once
-            ids, req.prompt_ids = req.prompt_ids.tolist(), None
-            return ids
+    def prompt_ids(self, req: EngineRequest) -> list[int]:
+        """The token ids of the row's prompt as the model sees it; raises RequestProblem for a row
+        that cannot be rendered (media parts included: their tokens are the model processor's)."""
         return self._truncated(req, self._rendered_ids(req))
 
     def _truncated(self, req: EngineRequest, ids: list[int]) -> list[int]:
@@ -91,10 +56,12 @@ class PromptRenderer:
         keep = req.body.get("truncate_prompt_tokens")
         if keep is None:
             return ids
-        context = self.llm.llm_engine.model_config.max_model_len
+        context = self.context
         if keep == -1:
+            if context is None:
+                return ids
             keep = context
-        if keep > context:
+        if context is not None and keep > context:
             raise RequestProblem(
                 f"truncate_prompt_tokens is {keep} but the model's context holds {context}; "
                 f"set it to at most {context}, or -1 for the whole context",
@@ -143,6 +110,75 @@ class PromptRenderer:
             raise RequestProblem(f"the model's chat template rejected the messages: {exc}", "messages") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        texts = []
+        for p, part in enumerate(content):
+            kind = part.get("type")
+            if kind in CHAT_TEXT_PARTS:
+                texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
+            elif kind in MEDIA_PART_TYPES:
+                raise RequestProblem(
+                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
+                    "remove the part or run the job on a multimodal model",
+                    f"messages[{n}].content[{p}]",
+                )
+            else:
+                raise RequestProblem(f"unknown content part type {kind!r}", f"messages[{n}].content[{p}].type")
+        return {**message, "content": "".join(texts)}
+
+
+class PromptRenderer(TextPrompts):
+    """Renders and tokenises rows for one loaded ``vllm.LLM``."""
+
+    def __init__(self, llm: Any, model_name: str):
+        config = llm.llm_engine.model_config
+        super().__init__(llm.get_tokenizer(), model_name, config.max_model_len)
+        self.llm = llm
+        self.multimodal = bool(getattr(config, "is_multimodal_model", False))
+        self.modalities = _modalities(llm) if self.multimodal else frozenset()
+        self.audio_rate = _fixed_audio_rate(llm) if "audio" in self.modalities else None
+
+    def prompt_tokens(self, req: EngineRequest) -> array[int] | None:
+        """The tokens of the row's rendered prompt, kept on the request (4 bytes a token) until it
+        is sent; None when the row cannot be rendered (sending it refuses it with the reason)."""
+        if self.multimodal and req.endpoint == "chat" and any(_media_parts(req.body["messages"])):
+            return None  # vLLM's renderer makes its tokens (and the parts are checked) when it is sent
+        try:
+            req.prompt_ids = array("i", self._prompt_ids(req))
+        except Exception:
+            return None
+        return req.prompt_ids
+
+    def prompt(self, req: EngineRequest) -> tuple[Any, list[int]]:
+        """What the engine is given for a row, and the prompt's token ids as the model sees them.
+
+        A chat row with media on a multimodal model goes through vLLM's own chat renderer: it
+        puts the model's placeholder for each image into the conversation, decodes the ``data:``
+        URLs the media stage left and runs the model's processor, whose expanded token ids (one
+        per image token) are what the row's usage and context room count. Every other row is
+        rendered and tokenised here.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if self.multimodal and req.endpoint == "chat" and self._has_media(req.body["messages"]):
+            from vllm.renderers import ChatParams
+
+            kwargs = {**req.template_arguments, "tools": req.body.get("tools")}
+            chat = ChatParams(chat_template_kwargs=kwargs, mm_processor_kwargs=req.body.get("mm_processor_kwargs"))
+            _, prompts = self.llm.renderer.render_chat([req.body["messages"]], chat)
+            return prompts[0], list(prompts[0]["prompt_token_ids"])
+        ids = self._prompt_ids(req)
+        return TokensPrompt(prompt_token_ids=ids), ids
+
+    def _prompt_ids(self, req: EngineRequest) -> list[int]:
+        if req.prompt_ids is not None:  # rendered ahead to order the rows: handed over once
+            ids, req.prompt_ids = req.prompt_ids.tolist(), None
+            return ids
+        return self._truncated(req, self._rendered_ids(req))
+
     def _has_media(self, messages: list[dict[str, Any]]) -> bool:
         """Whether a multimodal model's row holds media; raises RequestProblem for a part of a kind
         the model cannot read or a sound it cannot decode, as vLLM's own refusal would not name
@@ -162,25 +198,6 @@ class PromptRenderer:
                 raise RequestProblem(problem, f"messages[{n}].content[{p}]")
             found = True
         return found
-
-    def _text_message(self, n: int, message: dict[str, Any]) -> dict[str, Any]:
-        content = message.get("content")
-        if not isinstance(content, list):
-            return message
-        texts = []
-        for p, part in enumerate(content):
-            kind = part.get("type")
-            if kind in CHAT_TEXT_PARTS:
-                texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
-            elif kind in MEDIA_PART_TYPES:
-                raise RequestProblem(
-                    f"model '{self.model_name}' takes text only and cannot read {MEDIA_PART_TYPES[kind][1]}; "
-                    "remove the part or run the job on a multimodal model",
-                    f"messages[{n}].content[{p}]",
-                )
-            else:
-                raise RequestProblem(f"unknown content part type {kind!r}", f"messages[{n}].content[{p}].type")
-        return {**message, "content": "".join(texts)}
 
 
 def _modalities(llm: Any) -> frozenset[str]:
