@@ -411,6 +411,7 @@ def build_tiny_whisper(folder: Path, *, seed: int = 0) -> Path:
     ).save_pretrained(folder)
     sounds = WhisperFeatureExtractor(feature_size=80, sampling_rate=AUDIO_RATE)
     WhisperProcessor(feature_extractor=sounds, tokenizer=tokenizer).save_pretrained(folder)
+    return folder
 
 
 NEAR_FREE_HIDDEN = 64  # one attention head of HEAD_DIM: the narrowest decoder the CPU attention backend takes
