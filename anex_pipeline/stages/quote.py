@@ -125,12 +125,8 @@ def make_quote(
         quote.prompt_tokens, quote.rows_not_counted = counter.tokens, counter.not_counted
     if drawn.rows:
         measured = _generate_sample(engine, manifest, drawn.rows)
-        _expect(quote, [measured], generated_caps, stored_tokens)
+        _expect(quote, [measured], generated_caps, stored_tokens, sampled=True)
         quote.sampled_rows = len(drawn.rows)
-        quote.output_basis = quote.output_basis.replace(
-            "1 earlier job(s) of this work folder generated", "this quote generated as a sample"
-        )
-        quote.time_basis = quote.time_basis.replace("measured by 1 earlier job(s) here", "measured on the sample")
     else:
         _expect(quote, earlier_jobs(work_root, model_name, endpoint), generated_caps, stored_tokens)
     _price(quote, options)
@@ -249,8 +245,11 @@ class _PromptCounter:
         return len(self._prompts.prompt_ids(req))
 
 
-def _expect(quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tokens: int) -> None:
-    """The expected output and engine time of the rows to generate (``caps``: each one's cap)."""
+def _expect(
+    quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tokens: int, *, sampled: bool = False
+) -> None:
+    """The expected output and engine time of the rows to generate (``caps``: each one's cap);
+    ``sampled``: ``earlier`` is the one sample this quote generated, not the folder's jobs."""
     measured = [e for e in earlier if e.lengths]
     if quote.endpoint in POOLING:
         quote.output_tokens_expected, quote.output_tokens_range = 0, (0, 0)
@@ -276,10 +275,13 @@ def _expect(quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tok
     high = min(float(sum(caps)), max(each) + spread)
     quote.output_tokens_expected = round(mean) + stored_tokens
     quote.output_tokens_range = (math.floor(low) + stored_tokens, math.ceil(high) + stored_tokens)
-    quote.output_basis = (
-        f"{len(pooled.sorted)} rows that {len(measured)} earlier job(s) of this work folder generated on "
-        f"{quote.model}, each row's cap applied"
-        + (f"; {quote.rows_from_answer_store} rows' stored answers" if quote.rows_from_answer_store else "")
+    made_by = (
+        "this quote generated as a sample"
+        if sampled
+        else f"{len(measured)} earlier job(s) of this work folder generated"
+    )
+    quote.output_basis = f"{len(pooled.sorted)} rows that {made_by} on {quote.model}, each row's cap applied" + (
+        f"; {quote.rows_from_answer_store} rows' stored answers" if quote.rows_from_answer_store else ""
     )
     rates = [e.tokens_per_s for e in measured if e.tokens_per_s]
     if not rates:
@@ -289,9 +291,8 @@ def _expect(quote: Quote, earlier: list[EarlierJob], caps: list[int], stored_tok
     rate = sum(sum(e.lengths) for e in timed) / sum(sum(e.lengths) / (e.tokens_per_s or 1) for e in timed)
     quote.engine_seconds = round(mean / rate, 1)
     quote.engine_seconds_range = (round(low / max(rates), 1), round(high / min(rates), 1))
-    quote.time_basis = (
-        f"{rate:.1f} output tok/s, measured by {len(rates)} earlier job(s) here ({min(rates):.1f} to {max(rates):.1f})"
-    )
+    measured_by = "on the sample" if sampled else f"by {len(rates)} earlier job(s) here"
+    quote.time_basis = f"{rate:.1f} output tok/s, measured {measured_by} ({min(rates):.1f} to {max(rates):.1f})"
 
 
 class _Lengths:
