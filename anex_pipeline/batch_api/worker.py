@@ -165,6 +165,10 @@ class BatchWorker:
             thread.join(CLOSE_WAIT_S)
             if thread.is_alive():
                 log.warning("closing without waiting any longer for %s", thread.name)
+        with self._turn:  # checked batches still waiting in the run queue: held, but no thread works on them
+            idle = [b for b in self._held if b not in self._running and b not in self._checking]
+        for batch_id in idle:
+            self._let_go(batch_id)
 
     def _wind_down(self) -> None:
         """Takes no new work and stops the running jobs; the next start resumes them."""
